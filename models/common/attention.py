@@ -1,0 +1,86 @@
+"""Causal self-attention on PyTorch SDPA with grouped KV heads and a transformers `Cache`.
+
+`forward` returns the output projection of this rank's heads. Without a process group that is the
+whole attention output; under tensor parallelism (q/k/v column-parallel by heads, o_proj
+row-parallel) it is a partial sum, and the architecture's forward decides when it is all-reduced.
+The KV cache therefore holds only this rank's KV heads: sharding the cache by heads is free.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache
+
+from models.common.rotary import apply_rotary_pos_emb
+
+
+def make_causal_mask(
+    attention_mask: torch.Tensor | None, q_len: int, past_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask [batch or 1, 1, q_len, past_len + q_len] (True = may attend), or None.
+
+    None means plain causal attention that SDPA can do with `is_causal` (or no mask at all for a
+    single decode step). `attention_mask` is the usual 2-D padding mask over past + current tokens.
+    """
+    kv_len = past_len + q_len
+    has_padding = attention_mask is not None and not bool(attention_mask.all())
+    if not has_padding and (past_len == 0 or q_len == 1):
+        return None
+    q_pos = torch.arange(past_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]
+    if has_padding:
+        mask = mask & attention_mask[:, None, None, -kv_len:].bool()
+        # A padding query would see no key at all and SDPA would return NaN; let it see itself
+        # (its output is never used, and NaN must not leak into the batch through reductions).
+        mask = mask | (k_pos == q_pos)[None, None]
+    return mask
+
+
+class Attention(nn.Module):
+    """Multi-head attention with `num_key_value_heads` <= `num_heads` (GQA / MQA)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        bias: bool = False,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim
+        # Local head counts: `parallel.parallelize` divides them by the TP degree.
+        self.num_heads = num_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = x.shape
+        q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            is_causal=attention_mask is None and q_len > 1,
+            enable_gqa=self.num_heads != self.num_key_value_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))

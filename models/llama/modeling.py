@@ -1,0 +1,47 @@
+"""Dense Llama: pre-norm decoder layers, attention then SwiGLU MLP, each added to the residual stream.
+
+Parameter names are those of Hugging Face `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...),
+so `ZooLlamaForCausalLM.from_pretrained(hf_llama_dir)` loads an HF checkpoint unchanged.
+"""
+
+from torch import nn
+
+from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.llama.configuration import ZooLlamaConfig
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ZooLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            layer_idx,
+            bias=config.attention_bias,
+        )
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + attn_out
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + mlp_out
+
+
+class ZooLlamaPreTrainedModel(ZooPreTrainedModel):
+    config_class = ZooLlamaConfig
+    config: ZooLlamaConfig
+    _no_split_modules = ["LlamaDecoderLayer"]
+
+
+class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
+    def make_layer(self, config, layer_idx):
+        return LlamaDecoderLayer(config, layer_idx)
+
+
+class ZooLlamaForCausalLM(ZooLlamaPreTrainedModel, ZooForCausalLM):
+    base_model_class = ZooLlamaModel
