@@ -1,0 +1,163 @@
+"""The shared model harness: every architecture in `models.ZOO` passes the same checks.
+
+Tolerances: fp32 comparisons use atol 1e-5 (different but equivalent op orders, e.g. cached vs full
+attention, differ by a few ulps); exact equality is required where the same ops run on the same data.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import models
+
+ARCHS = sorted(models.ZOO)
+ATOL = 1e-5
+
+
+def tiny_model(name: str, **overrides):
+    torch.manual_seed(0)
+    model = models.ZOO[name].model_class(models.ZOO[name].tiny(**overrides))
+    return model.eval()
+
+
+def tokens(batch: int, length: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_registered_with_auto_classes(name):
+    entry = models.ZOO[name]
+    config = entry.tiny()
+    assert isinstance(AutoConfig.for_model(config.model_type), entry.config_class)
+    assert type(AutoModelForCausalLM.from_config(config)) is entry.model_class
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_parameter_count_matches_config_formula(name):
+    for tie in (False, True):
+        model = tiny_model(name, tie_word_embeddings=tie)
+        counted = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+        assert counted == model.config.num_parameters_formula()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_save_load_round_trip_in_fresh_process(name, tmp_path):
+    model = tiny_model(name)
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = tokens(2, 12, model.config.vocab_size)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch, models\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "d = sys.argv[1]\n"
+        "m = AutoModelForCausalLM.from_pretrained(d + '/ckpt').eval()\n"
+        "with torch.no_grad():\n"
+        "    torch.save(m(torch.load(d + '/ids.pt')).logits, d + '/logits.pt')\n"
+        "print(type(m).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == type(model).__name__
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert saved["model_type"] == model.config.model_type
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_cached_decode_equals_full_forward(name):
+    model = tiny_model(name)
+    ids = tokens(2, 16, model.config.vocab_size)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        # Prefill 5 tokens, then a chunk of 4 (cached prefix + several new tokens), then one at a time.
+        out = model(ids[:, :5], use_cache=True)
+        pieces, cache = [out.logits], out.cache
+        out = model(ids[:, 5:9], cache=cache, use_cache=True)
+        pieces.append(out.logits)
+        for t in range(9, ids.shape[1]):
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_causality(name):
+    model = tiny_model(name)
+    ids = tokens(1, 16, model.config.vocab_size)
+    j = 9
+    changed = ids.clone()
+    changed[0, j] = (ids[0, j] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(a[:, :j], b[:, :j], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, j:], b[:, j:], atol=1e-4), "changing token j must change logits at j"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_generate_with_cache_equals_greedy_loop_without_cache(name):
+    model = tiny_model(name)
+    prompt = tokens(2, 6, model.config.vocab_size)
+    new = 10
+    generated = model.generate(
+        prompt, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
+    )
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(new):
+            next_token = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, next_token], dim=1)
+    assert torch.equal(generated, seq)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_left_padding_matches_unpadded(name):
+    """A left-padded row with matching position_ids gives the same logits as the unpadded row."""
+    model = tiny_model(name)
+    ids = tokens(1, 10, model.config.vocab_size)
+    pad = 3
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = model(padded, attention_mask=mask, position_ids=positions).logits
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, pad:], ref, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_training_step_reduces_loss(name):
+    model = tiny_model(name).train()
+    ids = tokens(4, 32, model.config.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+def test_unknown_architecture_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"Unknown architecture 'lama'; the zoo has: .*llama"):
+        models.build_model("lama")
+
+
+def test_heads_not_divisible_by_kv_heads_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by num_key_value_heads=3.*\[1, 2, 4\]"):
+        models.ZOO["llama"].tiny(num_key_value_heads=3)
+
+
+def test_checkpoint_with_wrong_shapes_is_one_clear_error(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"does not fit .*intermediate|does not fit .*mlp\.\w+_proj\.weight has shape"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, intermediate_size=96)
