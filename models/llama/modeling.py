@@ -8,6 +8,8 @@ from torch import nn
 
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.llama.configuration import ZooLlamaConfig
+from models.llama.sharding import TP_PLAN
+from parallel import comm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -24,12 +26,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.tp_group = None  # set by parallel.parallelize; None = single device
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
         attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
-        hidden_states = hidden_states + attn_out
+        # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
+        hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states + mlp_out
+        return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait()
 
 
 class ZooLlamaPreTrainedModel(ZooPreTrainedModel):
@@ -45,3 +49,4 @@ class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
 
 class ZooLlamaForCausalLM(ZooLlamaPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLlamaModel
+    tp_plan = TP_PLAN

@@ -1,0 +1,66 @@
+"""Process groups and the named `DeviceMesh` every parallel layout is applied over.
+
+`init_mesh(tp=2)` inside torchrun (or with explicit `rank`/`world_size`) starts the default process
+group (gloo on CPU, nccl on CUDA) and returns a mesh with named dimensions ("dp", "ep", "sp", "tp",
+outermost first). `init_mesh(tp=4, fake=True)` builds a real 4-way mesh in ONE process on PyTorch's
+fake process group: the simulated-link bench plays rank 0 of it.
+"""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIM_ORDER = ("dp", "ep", "sp", "tp")
+
+
+def init_mesh(
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    sp: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
+    backend: str | None = None,
+    fake: bool = False,
+) -> DeviceMesh:
+    degrees = {"dp": dp, "ep": ep, "sp": sp, "tp": tp}
+    for name, degree in degrees.items():
+        if not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"Parallel degree {name}={degree!r} must be a positive integer.")
+    size = math.prod(degrees.values())
+    device_type = "cuda" if torch.cuda.is_available() and not fake else "cpu"
+    if fake:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    elif not dist.is_initialized():
+        world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        rank = rank if rank is not None else int(os.environ.get("RANK", 0))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if dist.get_world_size() != size:
+        raise ValueError(
+            f"Parallel degrees {degrees} multiply to {size} but the process group has "
+            f"world size {dist.get_world_size()}; launch {size} processes or change the degrees."
+        )
+    return init_device_mesh(device_type, tuple(degrees[d] for d in DIM_ORDER), mesh_dim_names=DIM_ORDER)
+
+
+def mesh_group(mesh: DeviceMesh | None, dim: str, needed_by: str = "this layout"):
+    """The process group of `mesh` dimension `dim`, with one clear error if the mesh lacks it."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if dim not in names:
+        raise ValueError(f"The mesh has dimensions {names} but {needed_by} needs a {dim!r} dimension.")
+    return mesh.get_group(dim)

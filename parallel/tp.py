@@ -1,0 +1,114 @@
+"""Tensor parallelism: apply a model's declared shard layout (its `sharding.py`) in place.
+
+A layout maps module-name patterns to roles, Megatron style:
+- "attention": q/k/v column-parallel by heads (a rank keeps heads [r*h/P, (r+1)*h/P) and the KV heads
+  they read), o_proj row-parallel; the KV cache then holds local heads only.
+- "swiglu": gate/up column-parallel, down row-parallel.
+- "colwise" / "rowwise": one linear.
+- "tp_group": the module communicates itself (its forward calls `parallel.comm` with `tp_group`).
+Column-parallel regions get Megatron's f on their input (identity forward, all-reduce of the
+gradient backward) so replicated parameters get full gradients. Weights are sliced as plain tensors
+(as gpt-fast does), so the model's forward runs unchanged on local shards.
+"""
+
+import re
+
+from torch import nn
+
+from parallel import comm
+from parallel.mesh import mesh_group
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_divisible(what: dict[str, int], tp: int) -> None:
+    """One clear error if the TP degree does not divide every sharded size in `what`."""
+    for name, n in what.items():
+        if n % tp != 0:
+            fits = sorted(set.intersection(*(set(_divisors(v)) for v in what.values())))
+            raise ValueError(f"TP degree {tp} does not divide {name}={n}; TP degrees that fit this model: {fits}.")
+
+
+def _shard_param(param: nn.Parameter | None, dim: int, rank: int, tp: int) -> nn.Parameter | None:
+    if param is None:
+        return None
+    return nn.Parameter(param.detach().chunk(tp, dim=dim)[rank].clone(), requires_grad=param.requires_grad)
+
+
+def shard_colwise(linear: nn.Linear, rank: int, tp: int) -> None:
+    linear.weight = _shard_param(linear.weight, 0, rank, tp)
+    linear.bias = _shard_param(linear.bias, 0, rank, tp)
+    linear.out_features //= tp
+
+
+def shard_rowwise(linear: nn.Linear, rank: int, tp: int) -> None:
+    linear.weight = _shard_param(linear.weight, 1, rank, tp)
+    # The bias is added once, after the sum over ranks: only rank 0 keeps it.
+    if linear.bias is not None and rank != 0:
+        linear.bias = None
+    linear.in_features //= tp
+
+
+def _replicated_input_hook(group):
+    def hook(module, args, kwargs):
+        return (comm.copy_to_tp_region(args[0], group), *args[1:]), kwargs
+
+    return hook
+
+
+def _apply_role(name: str, module: nn.Module, role: str, group, rank: int, tp: int) -> None:
+    if role == "attention":
+        check_divisible({"num_attention_heads": module.num_heads, "num_key_value_heads": module.num_key_value_heads}, tp)
+        for proj in (module.q_proj, module.k_proj, module.v_proj):
+            shard_colwise(proj, rank, tp)
+        shard_rowwise(module.o_proj, rank, tp)
+        module.num_heads //= tp
+        module.num_key_value_heads //= tp
+        module.register_forward_pre_hook(_replicated_input_hook(group), with_kwargs=True)
+    elif role == "swiglu":
+        check_divisible({"intermediate_size": module.gate_proj.out_features}, tp)
+        shard_colwise(module.gate_proj, rank, tp)
+        shard_colwise(module.up_proj, rank, tp)
+        shard_rowwise(module.down_proj, rank, tp)
+        module.register_forward_pre_hook(_replicated_input_hook(group), with_kwargs=True)
+    elif role == "colwise":
+        check_divisible({f"{name}.out_features": module.out_features}, tp)
+        shard_colwise(module, rank, tp)
+        module.register_forward_pre_hook(_replicated_input_hook(group), with_kwargs=True)
+    elif role == "rowwise":
+        check_divisible({f"{name}.in_features": module.in_features}, tp)
+        shard_rowwise(module, rank, tp)
+    elif role == "tp_group":
+        module.tp_group = group
+    else:
+        raise ValueError(f"Unknown shard role {role!r} for {name}; expected attention, swiglu, colwise, rowwise, tp_group.")
+
+
+def _match(pattern: str, name: str) -> bool:
+    """`*` stands for one dotted name segment (e.g. a layer index), as in HF `tp_plan`s."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
+def parallelize(model: nn.Module, mesh, dim: str = "tp") -> nn.Module:
+    """Shard `model` in place over mesh dimension `dim` following `model.tp_plan` (its sharding.py)."""
+    plan = getattr(model, "tp_plan", None)
+    if plan is None:
+        raise ValueError(f"{type(model).__name__} declares no tensor-parallel layout (no `tp_plan`).")
+    group = mesh_group(mesh, dim, needed_by=f"tensor parallelism of {type(model).__name__}")
+    tp, rank = mesh.size(mesh.mesh_dim_names.index(dim)), mesh.get_local_rank(dim)
+    check = getattr(model, "check_tp", None)
+    if check is not None:
+        check(tp)
+    if tp == 1:
+        return model
+    modules = dict(model.named_modules())
+    for pattern, role in plan.items():
+        matched = [n for n in modules if _match(pattern, n)]
+        if not matched:
+            raise ValueError(f"Shard layout pattern {pattern!r} of {type(model).__name__} matches no module.")
+        for name in matched:
+            _apply_role(name, modules[name], role, group, rank, tp)
+    model.tp_degree = tp
+    return model

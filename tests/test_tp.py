@@ -1,0 +1,112 @@
+"""Tensor parallelism on gloo: TP 2 and 4 compute the same function as TP 1 (fp32, atol 1e-5) for every
+architecture with a TP layout, for logits, gradients and cached decode; comm counters match the
+architecture's schedule; `mode=none` issues no collective; bad TP degrees give one clear error."""
+
+import pytest
+import torch
+
+import models
+import parallel
+from parallel import comm
+from tests.distributed import run_ranks
+
+ATOL = 1e-5
+TP_ARCHS = sorted(name for name, e in models.ZOO.items() if getattr(e.model_class, "tp_plan", None))
+# Shapes every TP degree up to 4 divides.
+TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
+
+
+def build(name: str, **overrides):
+    torch.manual_seed(0)
+    return models.ZOO[name].model_class(models.ZOO[name].tiny(**TP4, **overrides)).eval()
+
+
+def local_slice(reference: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """The part of a full tensor that a rank holds (the dimension whose size differs is sharded)."""
+    if reference.shape == local.shape:
+        return reference
+    (dim,) = [d for d, (a, b) in enumerate(zip(reference.shape, local.shape, strict=True)) if a != b]
+    return reference.chunk(tp, dim=dim)[rank]
+
+
+def _check_equivalence(rank, world_size, name):
+    mesh = parallel.init_mesh(tp=world_size)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    reference, sharded = build(name), build(name)
+    parallel.parallelize(sharded, mesh)
+
+    ref_out = reference(ids, labels=ids)
+    ref_out.loss.backward()
+    out = sharded(ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, ref_out.logits, rtol=0, atol=ATOL)
+
+    ref_params = dict(reference.named_parameters())
+    for pname, p in sharded.named_parameters():
+        expected = local_slice(ref_params[pname].grad, p.grad, rank, world_size)
+        torch.testing.assert_close(p.grad, expected, rtol=0, atol=ATOL, msg=lambda m, n=pname: f"{n}: {m}")
+
+    # Prefill + cached decode under TP == the unsharded full forward.
+    with torch.no_grad():
+        full = reference(ids, use_cache=False).logits
+        step = sharded(ids[:, :7], use_cache=True)
+        pieces, cache = [step.logits], step.cache
+        for t in range(7, ids.shape[1]):
+            step = sharded(ids[:, t : t + 1], cache=cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=ATOL)
+    # The cache holds only this rank's KV heads.
+    assert cache.layers[0].keys.shape[1] == reference.config.num_key_value_heads // world_size
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", TP_ARCHS)
+def test_tp_equals_single_device(name, tp):
+    run_ranks(_check_equivalence, tp, name)
+
+
+def _count_collectives(rank, world_size, name, per_layer):
+    mesh = parallel.init_mesh(tp=world_size)
+    model = parallel.parallelize(build(name), mesh)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, 256, (2, 8))
+    comm.reset_counters()
+    with torch.no_grad():
+        model(ids)
+    counts = comm.snapshot_counters()
+    assert set(counts) == {"all_reduce"}
+    assert counts["all_reduce"]["calls"] == per_layer * layers
+    assert counts["all_reduce"]["bytes"] == per_layer * layers * 2 * 8 * model.config.hidden_size * 4  # fp32
+    comm.reset_counters()
+    with comm.use_mode("none"), torch.no_grad():
+        model(ids)
+    assert comm.snapshot_counters() == {}
+
+
+# All-reduces per layer in one forward: one per sub-block, except the parallel block's single one.
+ALL_REDUCES_PER_LAYER = {"llama": 2, "ladder": 2, "parallel": 1}
+
+
+@pytest.mark.parametrize("name", TP_ARCHS)
+def test_comm_counters(name):
+    run_ranks(_count_collectives, 2, name, ALL_REDUCES_PER_LAYER[name])
+
+
+def test_tp_degree_that_does_not_divide_heads_is_one_clear_error():
+    try:
+        mesh = parallel.init_mesh(tp=4, fake=True)
+        model = models.ZOO["llama"].model_class(models.ZOO["llama"].tiny(num_key_value_heads=2))
+        with pytest.raises(ValueError, match=r"TP degree 4 does not divide num_key_value_heads=2; TP degrees that fit this model: \[1, 2\]"):
+            parallel.parallelize(model, mesh)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_mesh_without_tp_dimension_is_one_clear_error():
+    from parallel.mesh import mesh_group
+
+    class FakeMesh:
+        mesh_dim_names = ("dp",)
+
+    with pytest.raises(ValueError, match=r"has dimensions \('dp',\) but .* needs a 'tp' dimension"):
+        mesh_group(FakeMesh(), "tp", needed_by="tensor parallelism")
