@@ -1,6 +1,8 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
+from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
+from models.parallel_block import ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel
 from models.registry import ZOO, ZooEntry, build_config, build_model, get, register
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
@@ -16,5 +18,8 @@ TINY_LLAMA = dict(
 )
 
 register("llama", ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel, tiny_config=TINY_LLAMA)
+register("parallel", ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel, tiny_config=TINY_LLAMA)
+# Tiny ladder: the paper's hybrid, the upper half of the layers laddered.
+register("ladder", ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel, tiny_config={**TINY_LLAMA, "ladder_layers": 2})
 
 __all__ = ["TINY_LLAMA", "ZOO", "ZooEntry", "build_config", "build_model", "get", "register"]

@@ -143,9 +143,9 @@ class _AllGather(torch.autograd.Function):
         box.ready_at = _record("all_gather", _nbytes(out))
         if _state.mode == "real":
             # Gather along dim 0 of a stacked buffer, then move the rank axis next to `dim`.
-            stacked = torch.empty((p, *x.shape), dtype=x.dtype, device=x.device)
-            box.work = dist.all_gather_into_tensor(stacked, x, group=group, async_op=True)
-            box.finish = lambda: out.copy_(torch.cat(stacked.unbind(0), dim=dim))
+            stacked = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+            box.work = dist.all_gather_single(stacked, x, group=group, async_op=True)
+            box.finish = lambda: out.copy_(torch.cat(stacked.view(p, *x.shape).unbind(0), dim=dim))
         else:
             out = torch.cat([x] * p, dim=dim) if _state.mode == "simulated" else out
         return out
@@ -164,7 +164,7 @@ def _reduce_scatter_sync(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     out = torch.empty_like(parts[0])
     ready_at = _record("reduce_scatter", _nbytes(x))
     if _state.mode == "real":
-        dist.reduce_scatter_tensor(out, torch.cat(parts, dim=0), group=group)
+        dist.reduce_scatter_single(out, torch.cat(parts, dim=0), group=group)
         return out
     _state.clock.wait(ready_at)  # issued synchronously: the simulated rank waits at once
     return parts[0].clone()
@@ -189,7 +189,9 @@ class _FinishingWork:
     def wait(self):
         self.box.work.wait()
         if getattr(self.box, "finish", None) is not None:
-            self.box.finish()
+            # Fill the autograd output in place without recording the copy (it is not part of the graph).
+            with torch.no_grad():
+                self.box.finish()
 
 
 class _ReduceScatter(torch.autograd.Function):

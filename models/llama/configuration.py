@@ -29,6 +29,9 @@ class ZooLlamaConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        # A config read from another architecture's config.json (an HF Llama, say) keeps that file's
+        # model_type as an instance attribute; saved as is, it would reload as the other architecture.
+        self.model_type = type(self).model_type
         check_heads(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim)
 
     def num_parameters_formula(self) -> int:

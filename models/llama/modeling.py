@@ -28,11 +28,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None  # set by parallel.parallelize; None = single device
 
+    # The two sub-blocks, each returning its (under TP: partial, un-reduced) output. Architectures
+    # that rewire the residual stream (Ladder) call these and keep the weights and names.
+    def attention_block(self, hidden_states, position_embeddings, attention_mask, cache):
+        return self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+
+    def mlp_block(self, hidden_states):
+        return self.mlp(self.post_attention_layernorm(hidden_states))
+
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_out = self.mlp_block(hidden_states)
         return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait()
 
 

@@ -1,0 +1,38 @@
+"""Configuration of Ladder Residual: a Llama config plus `ladder_layers`.
+
+`ladder_layers` is either an int N (the LAST N layers are laddered, the paper's hybrid; 0 = plain
+Llama, `num_hidden_layers` = fully laddered) or an explicit list of layer indices. Weights and
+state-dict names are Llama's, so a Llama checkpoint loads unchanged:
+`ZooLadderForCausalLM.from_pretrained(llama_dir, ladder_layers=N)`.
+"""
+
+from models.llama.configuration import ZooLlamaConfig
+
+
+class ZooLadderConfig(ZooLlamaConfig):
+    model_type = "zoo_ladder"
+
+    ladder_layers: int | list[int] = 0
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        n = self.num_hidden_layers
+        if isinstance(self.ladder_layers, int):
+            if not 0 <= self.ladder_layers <= n:
+                raise ValueError(
+                    f"ladder_layers={self.ladder_layers} is out of range; use 0..{n} (the number of last "
+                    f"layers to ladder) or a list of layer indices in 0..{n - 1}."
+                )
+        else:
+            bad = [i for i in self.ladder_layers if not (isinstance(i, int) and 0 <= i < n)]
+            if bad or len(set(self.ladder_layers)) != len(self.ladder_layers):
+                raise ValueError(
+                    f"ladder_layers={list(self.ladder_layers)} must list distinct layer indices in 0..{n - 1}."
+                )
+
+    @property
+    def laddered(self) -> frozenset[int]:
+        """Indices of the laddered layers."""
+        if isinstance(self.ladder_layers, int):
+            return frozenset(range(self.num_hidden_layers - self.ladder_layers, self.num_hidden_layers))
+        return frozenset(self.ladder_layers)

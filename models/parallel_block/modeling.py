@@ -1,0 +1,46 @@
+"""Parallel attention + MLP block (GPT-J, PaLM): x = x + Attn(LN(x)) + MLP(LN(x))."""
+
+from torch import nn
+
+from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM
+from models.llama.modeling import ZooLlamaPreTrainedModel
+from models.parallel_block.configuration import ZooParallelConfig
+from models.parallel_block.sharding import TP_PLAN
+from parallel import comm
+
+
+class ParallelDecoderLayer(nn.Module):
+    def __init__(self, config: ZooParallelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            layer_idx,
+            bias=config.attention_bias,
+        )
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.tp_group = None
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        h = self.input_layernorm(hidden_states)
+        partial = self.self_attn(h, position_embeddings, attention_mask, cache) + self.mlp(h)
+        return hidden_states + comm.all_reduce(partial, self.tp_group).wait()
+
+
+class ZooParallelPreTrainedModel(ZooLlamaPreTrainedModel):
+    config_class = ZooParallelConfig
+    config: ZooParallelConfig
+    _no_split_modules = ["ParallelDecoderLayer"]
+
+
+class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):
+    def make_layer(self, config, layer_idx):
+        return ParallelDecoderLayer(config, layer_idx)
+
+
+class ZooParallelForCausalLM(ZooParallelPreTrainedModel, ZooForCausalLM):
+    base_model_class = ZooParallelModel
+    tp_plan = TP_PLAN
