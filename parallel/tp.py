@@ -13,6 +13,8 @@ gradient backward) so replicated parameters get full gradients. Weights are slic
 
 import re
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel import comm
@@ -34,7 +36,10 @@ def check_divisible(what: dict[str, int], tp: int) -> None:
 def _shard_param(param: nn.Parameter | None, dim: int, rank: int, tp: int) -> nn.Parameter | None:
     if param is None:
         return None
-    return nn.Parameter(param.detach().chunk(tp, dim=dim)[rank].clone(), requires_grad=param.requires_grad)
+    shard = nn.Parameter(param.detach().chunk(tp, dim=dim)[rank].clone(), requires_grad=param.requires_grad)
+    # Remembered so full (unsharded) state dicts can be gathered for checkpoints and re-sliced on load.
+    shard.tp_shard_dim = dim
+    return shard
 
 
 def shard_colwise(linear: nn.Linear, rank: int, tp: int) -> None:
@@ -44,10 +49,14 @@ def shard_colwise(linear: nn.Linear, rank: int, tp: int) -> None:
 
 
 def shard_rowwise(linear: nn.Linear, rank: int, tp: int) -> None:
+    if linear.bias is not None:
+        # A row-parallel bias must be added once, after the sum over ranks; keeping it on one rank only
+        # would give ranks different parameter lists (and optimizer states) and break checkpoints.
+        raise ValueError(
+            "Row-parallel layers with a bias (attention_bias=True / mlp_bias=True on o_proj / down_proj) "
+            "are not supported under TP > 1; use a config without output-projection biases."
+        )
     linear.weight = _shard_param(linear.weight, 1, rank, tp)
-    # The bias is added once, after the sum over ranks: only rank 0 keeps it.
-    if linear.bias is not None and rank != 0:
-        linear.bias = None
     linear.in_features //= tp
 
 
@@ -112,3 +121,67 @@ def parallelize(model: nn.Module, mesh, dim: str = "tp") -> nn.Module:
             _apply_role(name, modules[name], role, group, rank, tp)
     model.tp_degree = tp
     return model
+
+
+# --- full (unsharded) state, for checkpoints and `save_pretrained` under TP ----------------------------
+
+
+def _shard_dims(model: nn.Module) -> dict[str, int]:
+    return {n: p.tp_shard_dim for n, p in model.named_parameters() if hasattr(p, "tp_shard_dim")}
+
+
+def gather_tensor(local: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate the shards every rank holds along `dim` (collective: every rank must call it)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a TP-sharded model, on every rank (collective)."""
+    dims = _shard_dims(model)
+    return {n: gather_tensor(t, dims[n], group) if n in dims else t for n, t in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], rank: int, tp: int) -> None:
+    """Load an unsharded state dict into a TP-sharded model: each rank keeps its own slice."""
+    dims = _shard_dims(model)
+    local = {n: (t.chunk(tp, dim=dims[n])[rank] if n in dims else t) for n, t in state.items()}
+    model.load_state_dict(local)
+
+
+def _param_order(model: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+
+
+@torch.no_grad()
+def full_optimizer_state(model: nn.Module, optimizer, group) -> dict:
+    """`optimizer.state_dict()` with every per-parameter state tensor unsharded (collective)."""
+    state = optimizer.state_dict()
+    for index, (_, p) in enumerate(_param_order(model, optimizer)):
+        dim = getattr(p, "tp_shard_dim", None)
+        if dim is None or index not in state["state"]:
+            continue
+        state["state"][index] = {
+            k: gather_tensor(v, dim, group) if torch.is_tensor(v) and v.shape == p.shape else v
+            for k, v in state["state"][index].items()
+        }
+    return state
+
+
+@torch.no_grad()
+def load_full_optimizer_state(model: nn.Module, optimizer, state: dict, rank: int, tp: int) -> None:
+    """Inverse of `full_optimizer_state`: slice each unsharded state tensor to this rank's shard."""
+    state = {"state": dict(state["state"]), "param_groups": state["param_groups"]}
+    for index, (_, p) in enumerate(_param_order(model, optimizer)):
+        dim = getattr(p, "tp_shard_dim", None)
+        if dim is None or index not in state["state"]:
+            continue
+        state["state"][index] = {
+            k: v.chunk(tp, dim=dim)[rank].clone() if torch.is_tensor(v) and v.dim() == p.dim() and v.dim() > 0 else v
+            for k, v in state["state"][index].items()
+        }
+    optimizer.load_state_dict(state)

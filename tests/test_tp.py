@@ -8,6 +8,7 @@ import torch
 import models
 import parallel
 from parallel import comm
+from parallel.tp import full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict
 from tests.distributed import run_ranks
 
 ATOL = 1e-5
@@ -62,6 +63,27 @@ def _check_one(rank, world_size, mesh, name):
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=ATOL)
     # The cache holds only this rank's KV heads.
     assert cache.layers[0].keys.shape[1] == reference.config.num_key_value_heads // world_size
+
+    # Checkpoints under TP: the gathered full state is the unsharded model's, and loads back exactly.
+    group = mesh.get_group("tp")
+    full = full_state_dict(sharded, group)
+    ref_state = reference.state_dict()
+    assert full.keys() == ref_state.keys() and all(torch.equal(full[k], ref_state[k]) for k in full)
+    fresh = parallel.parallelize(build(name, initializer_range=0.5), mesh)
+    load_full_state_dict(fresh, full, rank, world_size)
+    for (n, a), b in zip(fresh.state_dict().items(), sharded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    # ... and so does the optimizer state (AdamW moments are sharded like their parameters).
+    opt = torch.optim.AdamW(sharded.parameters())
+    opt.step()
+    full_opt = full_optimizer_state(sharded, opt, group)
+    names = [n for n, _ in sharded.named_parameters()]
+    for i, n in enumerate(names):
+        assert full_opt["state"][i]["exp_avg"].shape == ref_params[n].shape
+    opt2 = torch.optim.AdamW(fresh.parameters())
+    load_full_optimizer_state(fresh, opt2, full_opt, rank, world_size)
+    for i in range(len(names)):
+        assert torch.equal(opt2.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"])
 
 
 @pytest.mark.parametrize("tp", [2, 4])

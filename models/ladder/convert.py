@@ -1,0 +1,23 @@
+"""Llama -> Ladder conversion: same weights, the last `ladder_layers` layers rewired.
+
+Works from a Hugging Face `LlamaForCausalLM` directory or a zoo `llama` (or `ladder`) checkpoint:
+the state-dict names are identical, so nothing is renamed; only the config changes.
+"""
+
+import json
+from pathlib import Path
+
+from models.ladder.modeling import ZooLadderForCausalLM
+
+CONVERTIBLE = ("llama", "zoo_llama", "zoo_ladder")
+
+
+def llama_to_ladder(source: str | Path, ladder_layers: int | list[int], **kwargs) -> ZooLadderForCausalLM:
+    """Load a Llama checkpoint directory as a Ladder model with `ladder_layers` laddered."""
+    config_file = Path(source) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"No config.json in {source}; pass the directory of a saved Llama checkpoint.")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in CONVERTIBLE:
+        raise ValueError(f"Checkpoint {source} has model_type={model_type!r}; Ladder converts from {CONVERTIBLE}.")
+    return ZooLadderForCausalLM.from_pretrained(source, ladder_layers=ladder_layers, **kwargs)
