@@ -1,0 +1,191 @@
+"""The LightningModule that pretrains any zoo causal LM, and the callback that prints its perplexity.
+
+`CausalLMModule` owns the Hugging Face model (built by name from `models.ZOO`), the optimizer and the
+learning-rate schedule, and the metrics every pretraining run reports:
+
+- per training step: `train/loss`, `train/lr`, `train/grad_norm` (before clipping), `train/tokens_per_s`
+- per validation: `val/loss` (token-weighted mean over the whole validation set, all ranks) and
+  `val/ppl` = exp(`val/loss`).
+"""
+
+import math
+import time
+from functools import partial
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
+
+import models
+
+IGNORE_INDEX = -100  # the label value Hugging Face losses skip
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio`."""
+    if step < warmup_steps:
+        # (step + 1): the very first update already moves the weights
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token-prediction training of `models.build_model(model_name, vocab_size=..., **model_config)`.
+
+    Args:
+        model_name: an architecture in `models.ZOO` (e.g. "llama").
+        model_config: keyword arguments of that architecture's config (hidden_size, ...).
+        vocab_size: the tokenizer's vocabulary size.
+        optimizer: lr, betas, weight_decay, warmup_steps, min_lr_ratio.
+        parallel: the model-parallel layout (conf/parallel); only `tp: 1` exists so far.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        model_config: dict,
+        vocab_size: int,
+        optimizer: dict,
+        parallel: dict | None = None,
+    ) -> None:
+        super().__init__()
+        # Plain values only, so checkpoints and loggers record exactly what built the model.
+        self.save_hyperparameters()
+        self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
+        # {"loss": ..., "ppl": ...} of the validation before any training; kept in checkpoints so that a
+        # resumed run can still report it.
+        self.val_at_start: dict | None = None
+        # (global_step, val/loss, val/ppl) of every validation, for the summary at the end.
+        self.val_history: list[tuple[int, float, float]] = []
+        self._step_clock: float | None = None
+        self._val_loss_sum: torch.Tensor | None = None
+        self._val_tokens: torch.Tensor | None = None
+
+    def configure_model(self) -> None:
+        # Hook for the model-parallel layout: Lightning calls it on every rank after the process group
+        # exists and before the optimizer is built or a checkpoint is loaded. Later issues apply
+        # `parallel.parallelize(self.model, mesh)` here when hparams.parallel asks for tp/ep/sp > 1.
+        # It is called by every trainer.validate/fit, so whatever is done here must be idempotent.
+        pass
+
+    # ----------------------------------------------------------------------------------------- training
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels", input_ids)
+        loss = self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        # Rank 0's loss; averaging it over ranks every step would cost a collective for a log line.
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Called after backward (and, under DDP, after the gradient all-reduce) and before clipping,
+        # so this is the norm of the full, unclipped gradient.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        if self._step_clock is None:
+            self._step_clock = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        # Wall time from the end of the previous batch (data loading included); validation resets the
+        # clock so its time is not charged to training. Every rank gets a batch of the same shape.
+        now = time.perf_counter()
+        seconds = now - self._step_clock
+        self._step_clock = now
+        tokens = batch["input_ids"].numel() * self.trainer.world_size
+        self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False)
+
+    # --------------------------------------------------------------------------------------- validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._step_clock = None
+        self._val_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._val_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels", input_ids)
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        # Summed token losses (not the batch mean), so the final mean weights every token equally
+        # whatever the batch sizes and however many labels are masked.
+        targets = labels[:, 1:]
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        self._val_loss_sum += loss_sum.double()
+        self._val_tokens += (targets != IGNORE_INDEX).sum()
+
+    def on_validation_epoch_end(self) -> None:
+        totals = self.trainer.strategy.reduce(
+            torch.stack([self._val_loss_sum, self._val_tokens]), reduce_op="sum"
+        )
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        ppl = math.exp(min(loss, 100.0))  # capped so an untrained, diverged model does not print inf
+        # Every rank already holds the same totals; sync_dist only averages identical values (one tiny
+        # all-reduce per validation) and keeps Lightning from warning that epoch metrics are unsynced.
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", ppl, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.val_history.append((self.trainer.global_step, loss, ppl))
+
+    # ------------------------------------------------------------------------------------- optimization
+
+    def configure_optimizers(self):
+        hp = self.hparams.optimizer
+        # No weight decay on embeddings (tied to the LM head in the tiny models), norm gains and biases:
+        # decaying them only pulls useful scales towards zero.
+        embedding_ids = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 or id(param) in embedding_ids else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp["lr"],
+            betas=tuple(hp["betas"]),
+        )
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        schedule = partial(
+            warmup_cosine,
+            warmup_steps=max(1, min(hp["warmup_steps"], total_steps)),
+            total_steps=total_steps,
+            min_lr_ratio=hp["min_lr_ratio"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["val_at_start"] = self.val_at_start
+        checkpoint["val_history"] = self.val_history
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.val_at_start = checkpoint.get("val_at_start")
+        self.val_history = list(checkpoint.get("val_history", []))
+
+
+class PrintValPerplexity(L.Callback):
+    """Prints one line after every validation: the step, `val/loss` and `val/ppl` (rank 0)."""
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or "val/ppl" not in trainer.callback_metrics:
+            return
+        loss = float(trainer.callback_metrics["val/loss"])
+        ppl = float(trainer.callback_metrics["val/ppl"])
+        print(f"[val] step {trainer.global_step:>6d}  val/loss {loss:.4f}  val/ppl {ppl:.2f}", flush=True)
