@@ -185,3 +185,29 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict, rank: in
             for k, v in state["state"][index].items()
         }
     optimizer.load_state_dict(state)
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module, group) -> torch.Tensor:
+    """Global L2 norm of the gradients of a TP-sharded model: sharded parameters are summed over the
+    group, replicated ones (identical on every rank) counted once, so every rank gets the TP-1 norm."""
+    sharded, replicated = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (sharded if hasattr(p, "tp_shard_dim") else replicated).append(p.grad.float().pow(2).sum())
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    sharded_sq = torch.stack(sharded).sum() if sharded else zero
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sharded_sq, group=group)
+    return (sharded_sq + (torch.stack(replicated).sum() if replicated else zero)).sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, group) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a TP-sharded model (same coefficient on every rank)."""
+    total = grad_norm(model, group)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total
