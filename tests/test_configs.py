@@ -18,7 +18,13 @@ import models
 from train.pretrain import find_resume_checkpoint, instantiate_group, resolve_precision
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+# The groups of pretrain's defaults list (conf/ also holds other entry points' groups).
+GROUPS = sorted(
+    group
+    for entry in OmegaConf.load(CONF / "pretrain.yaml").defaults
+    if isinstance(entry, DictConfig)
+    for group in entry
+)
 GROUP_OPTIONS = [(group, yaml.stem) for group in GROUPS for yaml in sorted((CONF / group).glob("*.yaml"))]
 
 

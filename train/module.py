@@ -53,6 +53,11 @@ class CausalLMModule(L.LightningModule):
         parallel: dict | None = None,
     ) -> None:
         super().__init__()
+        for degree, value in (parallel or {}).items():
+            if value != 1:
+                raise ValueError(
+                    f"parallel.{degree}={value} is not supported by train.pretrain yet; use parallel=none ({degree}=1)."
+                )
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
         self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)

@@ -74,6 +74,20 @@ def check_config(cfg: DictConfig) -> None:
         )
 
 
+def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
+    """A checkpoint of another model (architecture, shape, vocabulary) fails here, in one sentence."""
+    # mmap: only the small hyper-parameter dict is actually read from disk
+    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get(
+        "hyper_parameters", {}
+    )
+    for key in ("model_name", "model_config", "vocab_size"):
+        if key in saved and saved[key] != module.hparams[key]:
+            raise ValueError(
+                f"Cannot resume from {ckpt_path}: it was trained with {key}={saved[key]!r} but this run has "
+                f"{key}={module.hparams[key]!r}; use the checkpoint's settings, another run dir or resume=never."
+            )
+
+
 def generate_samples(model, tokenizer, sample: DictConfig) -> list[str]:
     """`sample.num_lines` continuations of `sample.prompts` (cycled), greedy or top-k with a fixed seed."""
     prompts = list(sample.prompts) or [tokenizer.bos_token or ""]
@@ -116,8 +130,9 @@ def print_summary(result: dict, samples: list[str]) -> None:
     console.print(f"model + tokenizer: {result['hf_dir']}")
     if result["checkpoint"]:
         console.print(f"checkpoint: {result['checkpoint']}")
-    for line in samples:
-        console.print(f"[bold]sample:[/bold] {line!r}", highlight=False)
+    for i, text in enumerate(samples):
+        console.rule(f"sample {i + 1}")
+        console.print(text, markup=False, highlight=False)
 
 
 def train(cfg: DictConfig) -> dict:
@@ -151,6 +166,8 @@ def train(cfg: DictConfig) -> dict:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
+    if ckpt_path is not None:
+        check_checkpoint_fits(ckpt_path, module)
     if ckpt_path is None:
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
         module.val_at_start = {"loss": metrics["val/loss"], "ppl": metrics["val/ppl"]}
