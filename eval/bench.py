@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 import models
 import parallel
 from eval import report
-from models.common import Attention, SwiGLUMLP
+from models.common import RMSNorm, SwiGLUMLP
 from parallel import comm
 from parallel.link import LINK_PRESETS
 from parallel.tp import check_divisible
@@ -85,10 +85,11 @@ def build_sharded(arch: str, cfg: dict, mesh, device: torch.device, dtype: torch
         model.apply(model._init_weights)
     model.eval()
     if cfg["compile"]:
-        # Compile the compute between collectives; communication and the virtual clock stay eager
-        # (the Ladder reference's "semi-compiled" model does the same per sub-block).
+        # Compile compute between collectives; communication and the virtual clock stay eager (the Ladder
+        # reference's "semi-compiled" model compiles per sub-block too). Attention stays eager: it updates
+        # the growing DynamicCache, whose changing strides recompile it at every step.
         for module in model.modules():
-            if isinstance(module, (Attention, SwiGLUMLP)):
+            if isinstance(module, (SwiGLUMLP, RMSNorm)):
                 module.compile(dynamic=True)
     return model
 
@@ -123,6 +124,14 @@ def resolve_device(cfg: dict) -> tuple[torch.device, torch.dtype]:
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     return device, getattr(torch, dtype)
+
+
+def cpu_threads(cfg: dict) -> int | None:
+    """Threads per process: `auto` = one rank's share of the cores when the largest P ranks share them."""
+    if cfg["threads"] != "auto":
+        return int(cfg["threads"]) if cfg["threads"] else None
+    ranks = max([*cfg["tp"], *(cfg["real"]["tp"] if cfg["real"]["enabled"] else [])])
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -313,9 +322,9 @@ def _real_rank(rank: int, world_size: int, port: int, cfg: dict, out_path: str) 
     device, dtype = resolve_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
-    else:
-        # P ranks share the machine's cores.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    threads = cpu_threads(cfg)
+    if threads:
+        torch.set_num_threads(threads)
     backend = cfg["real"]["backend"]
     try:
         mesh = parallel.init_mesh(tp=world_size, backend=None if backend == "auto" else backend)
@@ -339,10 +348,20 @@ def _real_rank(rank: int, world_size: int, port: int, cfg: dict, out_path: str) 
 
 
 def run_real(cfg: dict, p: int) -> list[dict]:
-    """Spawn p ranks on 127.0.0.1; rank 0's rows come back through a file."""
+    """Spawn p ranks on 127.0.0.1; rank 0's rows come back through a file. A rank's error is raised here;
+    ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that is an error."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
-        mp.spawn(_real_rank, args=(p, _free_port(), cfg, out_path), nprocs=p, join=True)
+        ctx = mp.start_processes(
+            _real_rank, args=(p, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + cfg["real"]["timeout_s"]
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                raise TimeoutError(f"The real TP {p} ranks ran past real.timeout_s={cfg['real']['timeout_s']} s.")
         return json.loads(Path(out_path).read_text())
 
 
@@ -427,50 +446,45 @@ def _display(rows: list[dict]) -> list[dict]:
 
 
 def make_plots(rows: list[dict], cfg: dict, out_dir: Path) -> dict[str, Path]:
+    """Decode speed-up vs batch and vs TP degree, hidden fraction per architecture vs batch; one panel per
+    variant (upper-bound variants are the reference, not plotted)."""
     variants = [v for v in dict.fromkeys(variant_key(r) for r in rows) if not v.startswith("upper_bound")]
     archs = [a for a in cfg["archs"] if a != cfg["baseline"]]
+
+    def panels(key, x_axis, only=None):
+        out = {}
+        for v in variants:
+            if only and not v.startswith(only):
+                continue
+            sel = [r for r in rows if variant_key(r) == v]
+            tps, batches = sorted({r["tp"] for r in sel}), sorted({r["batch"] for r in sel})
+            if x_axis == "batch":
+                out[v] = {f"{a} TP{p}": (batches, [_pick(sel, a, p, b, key) for b in batches]) for a in archs for p in tps}
+            else:
+                out[v] = {f"{a} b{b}": (tps, [_pick(sel, a, p, b, key) for p in tps]) for a in archs for b in batches}
+        return out
+
+    base = cfg["baseline"]
+    plots = {
+        "speedup_vs_batch": (panels("speedup_decode", "batch"), "batch size", f"decode speed-up over {base}"),
+        "speedup_vs_tp": (panels("speedup_decode", "tp"), "TP degree", f"decode speed-up over {base}"),
+        "hidden_fraction": (
+            panels("hidden_fraction_decode", "batch"),
+            "batch size",
+            f"hidden fraction (decode) vs {base}",
+        ),
+        "hidden_fraction_exposed": (
+            panels("exposed_hidden_fraction_decode", "batch", only="simulated"),
+            "batch size",
+            "hidden fraction of exposed comm (decode)",
+        ),
+    }
     images = {}
-    by_batch, by_tp, hidden_groups, hidden_bars = {}, {}, [], {}
-    for v in variants:
-        sel = [r for r in rows if variant_key(r) == v]
-        tps = sorted({r["tp"] for r in sel})
-        batches = sorted({r["batch"] for r in sel})
-        by_batch[v] = {
-            f"{a} TP{p}": (batches, [_pick(sel, a, p, b, "speedup_decode") for b in batches]) for a in archs for p in tps
-        }
-        by_tp[v] = {
-            f"{a} b{b}": (tps, [_pick(sel, a, p, b, "speedup_decode") for p in tps]) for a in archs for b in batches
-        }
-        for p in tps:
-            hidden_groups.append(f"{v}\nTP{p}")
-            for a in archs:
-                # One bar per arch: the largest batch's hidden fraction (decode) at this variant and TP.
-                hidden_bars.setdefault(a, []).append(_pick(sel, a, p, batches[-1], "hidden_fraction_decode"))
-    if by_batch:
-        images["speedup_vs_batch"] = report.plot_lines(
-            out_dir / "speedup_vs_batch.png",
-            by_batch,
-            xlabel="batch size",
-            ylabel=f"decode speed-up over {cfg['baseline']}",
-            hline=1.0,
-            logx=True,
-        )
-        images["speedup_vs_tp"] = report.plot_lines(
-            out_dir / "speedup_vs_tp.png",
-            by_tp,
-            xlabel="TP degree",
-            ylabel=f"decode speed-up over {cfg['baseline']}",
-            hline=1.0,
-            logx=True,
-        )
-        images["hidden_fraction"] = report.plot_bars(
-            out_dir / "hidden_fraction.png",
-            hidden_groups,
-            hidden_bars,
-            ylabel="hidden fraction (decode)",
-            title=f"hidden = (T_base - T_arch) / (T_base - T_upper), base {cfg['baseline']}, largest batch",
-            hline=1.0,
-        )
+    for name, (data, xlabel, ylabel) in plots.items():
+        if data:
+            images[name] = report.plot_lines(
+                out_dir / f"{name}.png", data, xlabel=xlabel, ylabel=ylabel, hline=1.0, logx=True
+            )
     return images
 
 
@@ -485,6 +499,8 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     cfg, hw, rows = results["settings"], results["hardware"], results["rows"]
     lines = [
         f"# Speed benchmark: {cfg['bench_shape']['name']} shape",
+        "",
+        f"`{results['command'] or 'eval.bench.run_bench(...)'}`",
         "",
         f"Architectures {', '.join(cfg['archs'])} (baseline `{cfg['baseline']}`), TP {cfg['tp']}, "
         f"batch {cfg['batch_sizes']}, prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} generated "
@@ -535,14 +551,20 @@ def notes_for(cfg: dict, device: torch.device, hw: dict) -> list[str]:
         "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
         "they show what each schedule hides on that link, not what this machine would do with P devices."
     ]
-    if cfg["real"]["enabled"] and device.type == "cpu":
-        worst = min(hw["cpu_cores"] // p for p in cfg["real"]["tp"]) if cfg["real"]["tp"] else 0
-        notes.append(
-            f"Real rows ran P gloo processes on {hw['cpu_cores']} CPU cores ({max(1, worst)} thread(s) per rank "
-            "at the largest P). gloo's communication thread has no free core here, so an asynchronous "
-            "all-reduce cannot run while the next sub-block computes: these rows measure gloo's cost on "
-            "this box, not what an architecture hides; they claim nothing about overlap."
-        )
+    if cfg["real"]["enabled"] and device.type == "cpu" and cfg["real"]["tp"]:
+        p, cores, threads = max(cfg["real"]["tp"]), hw["cpu_cores"], hw["torch_threads"]
+        if cores < p * (threads + 1):
+            notes.append(
+                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores. "
+                "gloo's communication thread has no free core here, so an asynchronous all-reduce cannot run "
+                "while the next sub-block computes: these rows measure gloo's cost on this box, not what an "
+                "architecture can hide, and claim nothing about overlap."
+            )
+        else:
+            notes.append(
+                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores, "
+                "leaving a core per rank for gloo's communication thread; gloo on CPU is still no model of NCCL."
+            )
     if hw["load_average_1m"] > 0.5 * hw["cpu_cores"]:
         notes.append(
             f"The machine was shared (load average {hw['load_average_1m']:.2f} on {hw['cpu_cores']} cores at "
@@ -569,13 +591,17 @@ def clock_note(rows: list[dict], baseline: str) -> str | None:
     )
 
 
-def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None) -> dict:
+def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:
     """Run every variant, write results.json, README.md and PNGs to `out_dir`, log to W&B if asked."""
+    device, dtype = resolve_device(cfg)
+    # real.tp auto: TP 2 only on CPU (every rank needs cores of its own), every TP degree on GPUs.
+    if cfg["real"]["tp"] == "auto":
+        cfg = {**cfg, "real": {**cfg["real"], "tp": [2] if device.type == "cpu" else list(cfg["tp"])}}
     check_shapes(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device, dtype = resolve_device(cfg)
-    if cfg["threads"]:
-        torch.set_num_threads(int(cfg["threads"]))
+    threads = cpu_threads(cfg)
+    if threads:
+        torch.set_num_threads(threads)
     hw = hardware_info(device)
     rows, skipped = [], []
     started = time.perf_counter()
@@ -592,6 +618,7 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None) -> dict:
             print(f"[bench] TP {p}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
     add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
     results = {
+        "command": command,
         "settings": cfg,
         "hardware": hw,
         "dtype": str(dtype).removeprefix("torch."),
@@ -642,7 +669,8 @@ def main(cfg: DictConfig) -> None:
             "tags": list(cfg.get("tags") or []),
         }
     settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
-    results = run_bench(settings, out_dir, wandb_cfg)
+    command = " ".join(["python -m eval.bench", *HydraConfig.get().overrides.task])
+    results = run_bench(settings, out_dir, wandb_cfg, command)
     print(f"[bench] {len(results['rows'])} rows -> {out_dir}/README.md, results.json, *.png", flush=True)
 
 

@@ -353,7 +353,7 @@ SPEEDUP_COLUMNS = [
 ]
 
 
-def run_costmodel(cfg: dict, out_dir: Path) -> dict:
+def run_costmodel(cfg: dict, out_dir: Path, command: str = "") -> dict:
     """Predict the shape's table, compare with the published 70B numbers, write costmodel.{md,json,png}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = Shape.from_config(cfg["bench_shape"])
@@ -375,6 +375,7 @@ def run_costmodel(cfg: dict, out_dir: Path) -> dict:
         "p2p_off_speedup": mean_abs_log_ratio(r["p2p_off_speedup_ratio"] for r in rows),
     }
     result = {
+        "command": command,
         "source": PUBLISHED_70B_SOURCE,
         "shape": asdict(shape),
         "settings": {**asdict(s), "contention_fitted": fitted},
@@ -406,6 +407,8 @@ def _markdown(result: dict, image: Path) -> str:
     how = "fitted to the published hidden fractions of the 4 NVLink cells: in-sample for the ladder column" if s["contention_fitted"] else "set in the config"
     lines = [
         "# Cost model vs the Ladder paper's 70B table",
+        "",
+        f"`{result['command'] or 'eval.costmodel.run_costmodel(...)'}`",
         "",
         f"Source of the published numbers: {result['source']}.",
         "",
@@ -453,7 +456,7 @@ def main(cfg: DictConfig) -> None:
 
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
     plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k not in ("paths", "hydra")}
-    result = run_costmodel(plain, out_dir)
+    result = run_costmodel(plain, out_dir, " ".join(["python -m eval.costmodel", *HydraConfig.get().overrides.task]))
     print(json.dumps(result["mean_abs_log_ratio"], indent=2))
     print(f"[costmodel] -> {out_dir}/README.md, costmodel.json, costmodel_ratio.png", flush=True)
 

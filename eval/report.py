@@ -113,7 +113,7 @@ def plot_bars(
     """Grouped bar chart: one group per entry of `groups`, one bar per key of `bars` (None = no bar)."""
     plt = _pyplot()
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.2 * len(groups) * max(1, len(bars)) * 0.5 + 2), 3.6))
+    fig, ax = plt.subplots(figsize=(min(12.0, max(4.5, 1.5 + 0.35 * len(groups) * max(1, len(bars)))), 3.6))
     width = 0.8 / max(1, len(bars))
     for i, (label, values) in enumerate(bars.items()):
         xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(groups))]

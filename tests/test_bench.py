@@ -113,7 +113,7 @@ def test_bench_writes_markdown_and_plots(tiny_run):
         assert section in readme
     assert "| arch | TP | batch | prefill ms |" in readme
     assert "gloo's communication thread has no free core" in readme
-    for name in ("speedup_vs_batch.png", "speedup_vs_tp.png", "hidden_fraction.png"):
+    for name in ("speedup_vs_batch.png", "speedup_vs_tp.png", "hidden_fraction.png", "hidden_fraction_exposed.png"):
         data = (tiny_run / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
         assert f"]({name})" in readme
@@ -129,4 +129,4 @@ def test_bench_logs_an_offline_wandb_run(tiny_run):
         assert key in records, key
     media = runs[0] / "files" / "media"
     assert list((media / "table").glob("bench/results_*.table.json"))
-    assert len(list((media / "images").glob("bench/*.png"))) == 3
+    assert len(list((media / "images").glob("bench/*.png"))) == 4
