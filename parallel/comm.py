@@ -82,6 +82,10 @@ class Handle:
 
     def __init__(self, tensor: torch.Tensor, work=None, ready_at: float | None = None):
         self._tensor, self._work, self._ready_at = tensor, work, ready_at
+        if ready_at is not None:
+            # The Python between `issue` and here (autograd bookkeeping) is not compute that could
+            # hide the transfer; without this a model that waits at once would look partly hidden.
+            _state.clock.rebase()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:

@@ -86,8 +86,8 @@ class VirtualClock:
         self.clock += t - self._last
         self._last = t
 
-    def _rebase(self) -> None:
-        # Bookkeeping time is not compute: restart the compute stopwatch after each event.
+    def rebase(self) -> None:
+        """Restart the compute stopwatch: bookkeeping time since the last event is not compute."""
         self._last = self.now()
 
     def issue(self, kind: str, nbytes: int) -> float:
@@ -97,7 +97,7 @@ class VirtualClock:
         start = max(self.clock, self.link_free_at)
         self.link_free_at = start + duration
         self.comm_busy += duration
-        self._rebase()
+        self.rebase()
         return self.link_free_at
 
     def wait(self, ready_at: float) -> None:
@@ -105,10 +105,10 @@ class VirtualClock:
         if ready_at > self.clock:
             self.exposed += ready_at - self.clock
             self.clock = ready_at
-        self._rebase()
+        self.rebase()
 
     def elapsed(self) -> float:
         """Virtual time so far, including compute since the last event."""
         self._advance()
-        self._rebase()
+        self.rebase()
         return self.clock
