@@ -190,3 +190,25 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    from train.module import CausalLMModule
+    from train.pretrain import check_checkpoint_fits
+
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    optimizer = {
+        "lr": 1e-3,
+        "betas": [0.9, 0.95],
+        "weight_decay": 0.0,
+        "warmup_steps": 1,
+        "min_lr_ratio": 0.1,
+    }
+    module = CausalLMModule("llama", config, vocab_size=100, optimizer=optimizer)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"hyper_parameters": dict(module.hparams)}, ckpt)
+    check_checkpoint_fits(str(ckpt), module)  # its own checkpoint fits
+
+    torch.save({"hyper_parameters": {**module.hparams, "model_config": {**config, "hidden_size": 64}}}, ckpt)
+    with pytest.raises(ValueError, match="model.config.hidden_size=64 there but 32 here"):
+        check_checkpoint_fits(str(ckpt), module)

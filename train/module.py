@@ -90,7 +90,8 @@ class CausalLMModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after backward (and, under DDP, after the gradient all-reduce) and before clipping,
-        # so this is the norm of the full, unclipped gradient.
+        # so this is the norm of the full, unclipped gradient. (With tensor-parallel shards each rank
+        # holds only part of the gradient; that layout has to reduce the norm over its group.)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)

@@ -80,12 +80,18 @@ def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
     saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get(
         "hyper_parameters", {}
     )
-    for key in ("model_name", "model_config", "vocab_size"):
-        if key in saved and saved[key] != module.hparams[key]:
-            raise ValueError(
-                f"Cannot resume from {ckpt_path}: it was trained with {key}={saved[key]!r} but this run has "
-                f"{key}={module.hparams[key]!r}; use the checkpoint's settings, another run dir or resume=never."
-            )
+    then = {"model.name": saved.get("model_name"), "vocab_size": saved.get("vocab_size")}
+    now = {"model.name": module.hparams.model_name, "vocab_size": module.hparams.vocab_size}
+    for field in {*saved.get("model_config", {}), *module.hparams.model_config}:
+        then[f"model.config.{field}"] = saved.get("model_config", {}).get(field)
+        now[f"model.config.{field}"] = module.hparams.model_config.get(field)
+    differ = sorted(key for key in now if then[key] != now[key])
+    if saved and differ:
+        changes = ", ".join(f"{key}={then[key]!r} there but {now[key]!r} here" for key in differ)
+        raise ValueError(
+            f"Cannot resume from {ckpt_path}: {changes}; use the checkpoint's settings, another run "
+            "directory or resume=never."
+        )
 
 
 def generate_samples(model, tokenizer, sample: DictConfig) -> list[str]:
@@ -166,30 +172,31 @@ def train(cfg: DictConfig) -> dict:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
-    if ckpt_path is not None:
-        check_checkpoint_fits(ckpt_path, module)
     if ckpt_path is None:
         metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
         module.val_at_start = {"loss": metrics["val/loss"], "ppl": metrics["val/ppl"]}
-    elif trainer.is_global_zero:
+    else:
+        check_checkpoint_fits(ckpt_path, module)
         # val_at_start comes back from the checkpoint (CausalLMModule.on_load_checkpoint)
-        print(f"Resuming from {ckpt_path}", flush=True)
+        if trainer.is_global_zero:
+            print(f"Resuming from {ckpt_path}", flush=True)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     train_loss = trainer.callback_metrics.get("train/loss")
-
-    # last.ckpt is written every N steps; rewrite it at the final step too, so that a rerun of a
-    # finished job (resume=auto) has nothing left to do. fast_dev_run writes no checkpoints.
-    checkpoint = trainer.checkpoint_callback
-    final_ckpt = None
-    if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and not trainer.fast_dev_run:
-        final_ckpt = str(Path(checkpoint.dirpath) / "last.ckpt")
-        trainer.save_checkpoint(final_ckpt, weights_only=False)
 
     # The perplexity of the final weights, unless fit's last validation already measured them.
     if not module.val_history or module.val_history[-1][0] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     _, end_loss, end_ppl = module.val_history[-1]
+
+    # last.ckpt is written every N steps; rewrite it at the final step (with the final validation in
+    # it), so that a rerun of a finished job (resume=auto) has nothing left to do. Not for
+    # fast_dev_run, which is not meant to leave checkpoints behind.
+    checkpoint = trainer.checkpoint_callback
+    final_ckpt = None
+    if isinstance(checkpoint, ModelCheckpoint) and checkpoint.save_last and not trainer.fast_dev_run:
+        final_ckpt = str(Path(checkpoint.dirpath) / "last.ckpt")
+        trainer.save_checkpoint(final_ckpt, weights_only=False)
 
     hf_dir = output_dir / "hf"
     result = {
