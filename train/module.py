@@ -19,6 +19,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 import models
+import parallel
+from parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
+from parallel.tp import grad_norm as tp_grad_norm
+from train.strategy import TP_DIM
 
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 
@@ -41,7 +45,9 @@ class CausalLMModule(L.LightningModule):
         model_config: keyword arguments of that architecture's config (hidden_size, ...).
         vocab_size: the tokenizer's vocabulary size.
         optimizer: lr, betas, weight_decay, warmup_steps, min_lr_ratio.
-        parallel: the model-parallel layout (conf/parallel); only `tp: 1` exists so far.
+        parallel: the model-parallel layout (conf/parallel): `tp` = tensor-parallel degree.
+        init_from: an HF checkpoint directory to start from (e.g. a converted Ladder model); the model's
+            config then comes from that checkpoint and `model_config` must be empty or agree with it.
     """
 
     def __init__(
@@ -51,16 +57,28 @@ class CausalLMModule(L.LightningModule):
         vocab_size: int,
         optimizer: dict,
         parallel: dict | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         for degree, value in (parallel or {}).items():
-            if value != 1:
+            if degree != "tp" and value != 1:
                 raise ValueError(
-                    f"parallel.{degree}={value} is not supported by train.pretrain yet; use parallel=none ({degree}=1)."
+                    f"parallel.{degree}={value} is not supported by train.pretrain yet; only tensor parallelism (tp) is."
                 )
+        self.tp = int((parallel or {}).get("tp", 1))
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
-        self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
+        if init_from:
+            self.model = models.get(model_name).model_class.from_pretrained(init_from)
+            config = self.model.config
+            differ = {k: v for k, v in {**model_config, "vocab_size": vocab_size}.items() if getattr(config, k, v) != v}
+            if differ:
+                raise ValueError(
+                    f"init_from={init_from} has a config that differs from the requested model in {differ}; "
+                    f"its values are {({k: getattr(config, k) for k in differ})}."
+                )
+        else:
+            self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
         # {"loss": ..., "ppl": ...} of the validation before any training; kept in checkpoints so that a
         # resumed run can still report it.
         self.val_at_start: dict | None = None
@@ -71,11 +89,16 @@ class CausalLMModule(L.LightningModule):
         self._val_tokens: torch.Tensor | None = None
 
     def configure_model(self) -> None:
-        # Hook for the model-parallel layout: Lightning calls it on every rank after the process group
-        # exists and before the optimizer is built or a checkpoint is loaded. Later issues apply
-        # `parallel.parallelize(self.model, mesh)` here when hparams.parallel asks for tp/ep/sp > 1.
-        # It is called by every trainer.validate/fit, so whatever is done here must be idempotent.
-        pass
+        # Lightning calls this on every rank once the process group and the device mesh exist, before
+        # the optimizer is built or a checkpoint is loaded, and again on every validate/fit: the
+        # layout is applied once. Every rank built the full model from the same seed, so the shards
+        # are slices of the very model a TP-1 run would train.
+        if self.tp > 1 and getattr(self.model, "tp_degree", 1) == 1:
+            parallel.parallelize(self.model, self.device_mesh, dim=TP_DIM)
+
+    @property
+    def tp_group(self):
+        return self.device_mesh.get_group(TP_DIM) if self.tp > 1 else None
 
     # ----------------------------------------------------------------------------------------- training
 
@@ -92,9 +115,21 @@ class CausalLMModule(L.LightningModule):
         # Called after backward (and, under DDP, after the gradient all-reduce) and before clipping,
         # so this is the norm of the full, unclipped gradient. (With tensor-parallel shards each rank
         # holds only part of the gradient; that layout has to reduce the norm over its group.)
+        if self.tp > 1:
+            self.log("train/grad_norm", tp_grad_norm(self.model, self.tp_group), on_step=True, on_epoch=False)
+            return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.tp > 1 and gradient_clip_val:
+            # The norm must be taken over the whole (sharded) gradient, or ranks would clip differently.
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported under TP; use 'norm'.")
+            tp_clip_grad_norm_(self.model, gradient_clip_val, self.tp_group)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         if self._step_clock is None:
@@ -106,7 +141,8 @@ class CausalLMModule(L.LightningModule):
         now = time.perf_counter()
         seconds = now - self._step_clock
         self._step_clock = now
-        tokens = batch["input_ids"].numel() * self.trainer.world_size
+        # The ranks of one TP group share a batch: distinct tokens come from the data-parallel ranks.
+        tokens = batch["input_ids"].numel() * self.trainer.world_size // self.tp
         self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False)
 
     # --------------------------------------------------------------------------------------- validation

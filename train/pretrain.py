@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from parallel.tp import full_state_dict
 from train.module import CausalLMModule
 
 
@@ -157,6 +158,7 @@ def train(cfg: DictConfig) -> dict:
         vocab_size=datamodule.vocab_size,
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         parallel=OmegaConf.to_container(cfg.parallel, resolve=True) if cfg.get("parallel") else None,
+        init_from=cfg.model.get("init_from"),
     )
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
@@ -212,7 +214,16 @@ def train(cfg: DictConfig) -> dict:
         "checkpoint": final_ckpt,
         "samples": [],
     }
+    # Under TP each rank holds slices: gather the full weights (every rank takes part) into an
+    # unsharded model that rank 0 saves and samples from.
+    final_model = module.model
+    if module.tp > 1:
+        state = full_state_dict(module.model, module.tp_group)
+        if trainer.is_global_zero:
+            final_model = type(module.model)(module.model.config)
+            final_model.load_state_dict(state)
     if trainer.is_global_zero:
+        module.model = final_model
         module.model.save_pretrained(hf_dir)
         datamodule.tokenizer.save_pretrained(hf_dir)
         if cfg.sample.num_lines > 0:
