@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m train.pretrain experiment=demo
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m eval.tour
 
 test: setup
 	$(VENV)/bin/ruff check .

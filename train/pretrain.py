@@ -200,9 +200,18 @@ def train(cfg: DictConfig) -> dict:
         final_ckpt = str(Path(checkpoint.dirpath) / "last.ckpt")
         trainer.save_checkpoint(final_ckpt, weights_only=False)
 
+    # Under TP each rank holds slices: gather the full weights (every rank takes part) into an
+    # unsharded model that rank 0 saves and samples from.
+    final_model = module.model
+    if module.tp > 1:
+        state = full_state_dict(module.model, module.tp_group)
+        if trainer.is_global_zero:
+            final_model = type(module.model)(module.model.config)
+            final_model.load_state_dict(state)
     hf_dir = output_dir / "hf"
     result = {
         "model": cfg.model.name,
+        "num_parameters": sum(p.numel() for p in final_model.parameters()),
         "global_step": trainer.global_step,
         "resumed_from": ckpt_path,
         "train_loss": float(train_loss) if train_loss is not None else None,
@@ -214,14 +223,6 @@ def train(cfg: DictConfig) -> dict:
         "checkpoint": final_ckpt,
         "samples": [],
     }
-    # Under TP each rank holds slices: gather the full weights (every rank takes part) into an
-    # unsharded model that rank 0 saves and samples from.
-    final_model = module.model
-    if module.tp > 1:
-        state = full_state_dict(module.model, module.tp_group)
-        if trainer.is_global_zero:
-            final_model = type(module.model)(module.model.config)
-            final_model.load_state_dict(state)
     if trainer.is_global_zero:
         module.model = final_model
         module.model.save_pretrained(hf_dir)
