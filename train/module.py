@@ -69,7 +69,9 @@ class CausalLMModule(L.LightningModule):
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
         if init_from:
-            self.model = models.get(model_name).model_class.from_pretrained(init_from)
+            # from_pretrained returns the model in eval mode; Lightning switches modes per loop, but
+            # starts fit from the mode it finds.
+            self.model = models.get(model_name).model_class.from_pretrained(init_from).train()
             config = self.model.config
             differ = {k: v for k, v in {**model_config, "vocab_size": vocab_size}.items() if getattr(config, k, v) != v}
             if differ:
