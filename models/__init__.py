@@ -1,5 +1,6 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
+from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
 from models.parallel_block import ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel
@@ -21,5 +22,7 @@ register("llama", ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel, tiny_confi
 register("parallel", ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel, tiny_config=TINY_LLAMA)
 # Tiny ladder: the paper's hybrid, the upper half of the layers laddered.
 register("ladder", ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel, tiny_config={**TINY_LLAMA, "ladder_layers": 2})
+# Tiny Kraken: two streams, each of the tiny llama's layer shapes (so TP 2 fits; tests use k = TP degree).
+register("kraken", ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel, tiny_config={**TINY_LLAMA, "kraken_degree": 2})
 
 __all__ = ["TINY_LLAMA", "ZOO", "ZooEntry", "build_config", "build_model", "get", "register"]

@@ -15,11 +15,14 @@ ATOL = 1e-5
 TP_ARCHS = sorted(name for name, e in models.ZOO.items() if getattr(e.model_class, "tp_plan", None))
 # Shapes every TP degree up to 4 divides.
 TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
+# Architectures whose ranks hold whole streams (Kraken): built with one stream per rank, heads not split.
+STREAM_ARCHS = {"kraken"}
 
 
-def build(name: str, **overrides):
+def build(name: str, tp: int, **overrides):
     torch.manual_seed(0)
-    return models.ZOO[name].model_class(models.ZOO[name].tiny(**TP4, **overrides)).eval()
+    streams = {"kraken_degree": tp} if name in STREAM_ARCHS else {}
+    return models.ZOO[name].model_class(models.ZOO[name].tiny(**TP4, **streams, **overrides)).eval()
 
 
 def local_slice(reference: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -38,7 +41,7 @@ def _check_equivalence(rank, world_size, names):
 
 def _check_one(rank, world_size, mesh, name):
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    reference, sharded = build(name), build(name)
+    reference, sharded = build(name, world_size), build(name, world_size)
     parallel.parallelize(sharded, mesh)
 
     ref_out = reference(ids, labels=ids)
@@ -61,15 +64,16 @@ def _check_one(rank, world_size, mesh, name):
             step = sharded(ids[:, t : t + 1], cache=cache, use_cache=True)
             pieces.append(step.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=ATOL)
-    # The cache holds only this rank's KV heads.
-    assert cache.layers[0].keys.shape[1] == reference.config.num_key_value_heads // world_size
+    # The cache holds only this rank's KV heads (of a stream architecture: all of its own stream's).
+    kv_heads = reference.config.num_key_value_heads
+    assert cache.layers[0].keys.shape[1] == (kv_heads if name in STREAM_ARCHS else kv_heads // world_size)
 
     # Checkpoints under TP: the gathered full state is the unsharded model's, and loads back exactly.
     group = mesh.get_group("tp")
     full = full_state_dict(sharded, group)
     ref_state = reference.state_dict()
     assert full.keys() == ref_state.keys() and all(torch.equal(full[k], ref_state[k]) for k in full)
-    fresh = parallel.parallelize(build(name, initializer_range=0.5), mesh)
+    fresh = parallel.parallelize(build(name, world_size, initializer_range=0.5), mesh)
     load_full_state_dict(fresh, full, rank, world_size)
     for (n, a), b in zip(fresh.state_dict().items(), sharded.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
@@ -77,9 +81,10 @@ def _check_one(rank, world_size, mesh, name):
     opt = torch.optim.AdamW(sharded.parameters())
     opt.step()
     full_opt = full_optimizer_state(sharded, opt, group)
-    names = [n for n, _ in sharded.named_parameters()]
-    for i, n in enumerate(names):
+    # (indexed like the unsharded model's optimizer: for stream architectures that is not the local order)
+    for i, n in enumerate(ref_params):
         assert full_opt["state"][i]["exp_avg"].shape == ref_params[n].shape
+    names = [n for n, _ in sharded.named_parameters()]
     opt2 = torch.optim.AdamW(fresh.parameters())
     load_full_optimizer_state(fresh, opt2, full_opt, rank, world_size)
     for i in range(len(names)):
@@ -99,7 +104,7 @@ def _count_collectives(rank, world_size, names):
 
 
 def _count_one(mesh, name, per_layer):
-    model = parallel.parallelize(build(name), mesh)
+    model = parallel.parallelize(build(name, mesh.size()), mesh)
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, 256, (2, 8))
     comm.reset_counters()
@@ -115,8 +120,9 @@ def _count_one(mesh, name, per_layer):
     assert comm.snapshot_counters() == {}
 
 
-# All-reduces per layer in one forward: one per sub-block, except the parallel block's single one.
-ALL_REDUCES_PER_LAYER = {"llama": 2, "ladder": 2, "parallel": 1}
+# All-reduces per layer in one forward: one per sub-block, except the parallel block's single one and
+# Kraken's (one per layer after the first, plus one for the conjunction).
+ALL_REDUCES_PER_LAYER = {"llama": 2, "ladder": 2, "parallel": 1, "kraken": 1}
 
 
 def test_comm_counters():

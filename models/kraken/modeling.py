@@ -1,0 +1,131 @@
+"""Kraken: k independent streams per layer; the one all-reduce per layer is hidden behind attention.
+
+Stream i, as in the spec (S is the sum of all k streams of the previous layer):
+
+    x0  = embed(ids)
+    s_i = Block_i^0(x0)                                  layer 0: a plain pre-norm block, no communication
+    for l >= 1:
+        S   = all_reduce_async(s_i)                      issued first ...
+        a_i = s_i + Attn_i(LN1_i(s_i))                   ... so that it overlaps the stream's own attention
+        s_i = a_i + MLP_i(LN2_i(a_i - s_i + wait(S)))    the MLP reads attention output + sum of streams
+    y = LN_f(W_conj . concat_i(s_i) + b)                 row-split: one more all-reduce, then the bias
+
+In one process all k streams are local, so their local sum is S and the all-reduce is the identity;
+after `parallel.parallelize` at TP degree k rank i holds stream i alone and the all-reduce sums over
+ranks. Each stream is a Llama decoder block, with its names: `model.layers.{l}.streams.{i}.self_attn...`.
+
+KV cache: stream i of layer l has its own cache layer, l * k + i (under TP, where rank i holds one
+stream per layer, l). transformers sizes `DynamicCache(config=...)` by `num_hidden_layers` (one cache
+layer per model layer; `layer_types` would have to have that length too), both in our base forward and
+in `generate()`, so `run_layers` tops such a cache up to the model's L * k cache layers.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicLayer
+
+from models.common import ZooDecoderModel, ZooForCausalLM
+from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
+from models.kraken.configuration import ZooKrakenConfig
+from models.kraken.sharding import TP_PLAN
+from models.llama.modeling import LlamaDecoderLayer, ZooLlamaPreTrainedModel
+from parallel import comm
+
+
+class KrakenDecoderLayer(nn.Module):
+    """One layer: k streams side by side, each a Llama decoder block with weights of its own."""
+
+    def __init__(self, config: ZooKrakenConfig, layer_idx: int):
+        super().__init__()
+        k = config.kraken_degree
+        # Keyed by stream index (not a ModuleList) so that a rank can hold stream i alone under its own
+        # name: checkpoints and gradients then line up with the one-process model's.
+        self.streams = nn.ModuleDict({str(i): LlamaDecoderLayer(config, layer_idx * k + i) for i in range(k)})
+
+
+class ZooKrakenPreTrainedModel(ZooLlamaPreTrainedModel):
+    config_class = ZooKrakenConfig
+    config: ZooKrakenConfig
+    _no_split_modules = ["KrakenDecoderLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear) and getattr(module, "_zoo_name", "") in RESIDUAL_OUTPUT_PROJECTIONS:
+            # GPT-2's residual scaling counts every output projection that adds to the streams' sum:
+            # k per sub-block, so 1/sqrt(2 L k) (the paper's init).
+            layers, k = self.config.num_hidden_layers, self.config.kraken_degree
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range / math.sqrt(2 * layers * k))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+            return
+        super()._init_weights(module)
+        if isinstance(module, ZooKrakenModel) and hasattr(module, "conjunction_bias"):  # not yet in the first pass
+            init.zeros_(module.conjunction_bias)
+
+    def check_tp(self, tp: int) -> None:
+        """Kraken's layout has one stream per rank: the TP degree must be k (or 1, unsharded)."""
+        k = self.config.kraken_degree
+        if tp not in (1, k):
+            raise ValueError(
+                f"Kraken with kraken_degree={k} runs at TP degree {k} (rank i holds stream i), not at TP degree "
+                f"{tp}; TP degrees that fit this model: {sorted({1, k})} (or build it with kraken_degree={tp})."
+            )
+
+
+class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
+    def __init__(self, config: ZooKrakenConfig):
+        super().__init__(config)
+        d, k = config.hidden_size, config.kraken_degree
+        # W_conj and b kept apart: under TP W_conj is row-split and b must be added once, after the sum.
+        self.conjunction = nn.Linear(k * d, d, bias=False)
+        self.conjunction_bias = nn.Parameter(torch.zeros(d))
+        self.tp_group = None  # set by parallel.parallelize; None = single device
+        self.post_init()  # the base class initialised everything but the conjunction
+
+    def make_layer(self, config, layer_idx):
+        return KrakenDecoderLayer(config, layer_idx)
+
+    def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
+        group, rope, mask = self.tp_group, position_embeddings, attention_mask
+        _reserve_cache_layers(cache, sum(len(layer.streams) for layer in self.layers))
+        # Every stream reads the replicated embedding, each its own way: f sums the gradients over ranks.
+        x0 = comm.copy_to_tp_region(hidden_states, group)
+        first, *rest = self.layers
+        streams = []
+        for block in first.streams.values():  # layer 0: one plain pre-norm block per stream, no communication
+            a = x0 + block.attention_block(x0, rope, mask, cache)
+            streams.append(a + block.mlp_block(a))
+        for layer in rest:
+            blocks = list(layer.streams.values())
+            # S = the sum of the k streams: issued before attention, waited at the MLP input.
+            pending_sum = comm.all_reduce(torch.stack(streams).sum(0), group)
+            attn = [block.attention_block(s, rope, mask, cache) for block, s in zip(blocks, streams, strict=True)]
+            # The MLP reads attention output + S (the spec's a_i - s_i + S). S is replicated and each
+            # rank's stream uses it its own way, so f sums its gradient over ranks.
+            stream_sum = comm.copy_to_tp_region(pending_sum.wait(), group)
+            streams = [
+                s + o + block.mlp_block(o + stream_sum) for block, s, o in zip(blocks, streams, attn, strict=True)
+            ]
+        # The conjunction, row-split under TP: each rank multiplies its streams by its columns of W_conj,
+        # the partial products are summed, and the bias is added once.
+        partial = self.conjunction(torch.cat(streams, dim=-1))
+        return comm.all_reduce(partial, group).wait() + self.conjunction_bias
+
+
+def _reserve_cache_layers(cache: Cache | None, n: int) -> None:
+    """Grow a cache sized one layer per model layer to the `n` (layers x local streams) the model uses."""
+    if cache is None or len(cache.layers) >= n:
+        return
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"Kraken needs {n} KV-cache layers (one per stream of every layer) but got a {type(cache).__name__} "
+            f"with {len(cache.layers)}; use a DynamicCache (the default)."
+        )
+    cache.layers.extend(DynamicLayer() for _ in range(n - len(cache.layers)))
+
+
+class ZooKrakenForCausalLM(ZooKrakenPreTrainedModel, ZooForCausalLM):
+    base_model_class = ZooKrakenModel
+    tp_plan = TP_PLAN
