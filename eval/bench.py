@@ -40,6 +40,7 @@ import models
 import parallel
 from eval import report
 from models.common import RMSNorm, SwiGLUMLP
+from models.kraken import ZooKrakenConfig
 from parallel import comm
 from parallel.link import LINK_PRESETS
 from parallel.tp import check_divisible
@@ -58,13 +59,17 @@ SHAPE_FIELDS = (
 # --- setup ------------------------------------------------------------------------------------
 
 
-def model_kwargs(cfg: dict, arch: str) -> dict:
-    """Config fields of `arch` at the benchmark shape."""
+def model_config(cfg: dict, arch: str, tp: int):
+    """The config of `arch` at the benchmark shape (for Kraken: k = the TP degree, matched parameters)."""
     kwargs = {k: cfg["bench_shape"][k] for k in SHAPE_FIELDS}
     if arch == "ladder":
         n = cfg["ladder_layers"]
         kwargs["ladder_layers"] = kwargs["num_hidden_layers"] if n is None else n
-    return kwargs
+    if arch == "kraken":
+        # Kraken runs one stream per rank, so its degree is the TP degree; its stream width is matched
+        # to the llama of this shape's parameter count (models/kraken/configuration.py).
+        return ZooKrakenConfig.from_llama(models.ZOO["llama"].config_class(**kwargs), tp)
+    return models.ZOO[arch].config_class(**kwargs)
 
 
 def build_sharded(arch: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype):
@@ -74,7 +79,7 @@ def build_sharded(arch: str, cfg: dict, mesh, device: torch.device, dtype: torch
     at TP 8 fits one GPU's share); weights are then initialised with the model's own init.
     """
     with torch.device("meta"):
-        model = models.build_model(arch, **model_kwargs(cfg, arch))
+        model = models.ZOO[arch].model_class(model_config(cfg, arch, mesh.size(mesh.mesh_dim_names.index("tp"))))
     parallel.parallelize(model, mesh)
     model.to(dtype)
     model.to_empty(device=device)
