@@ -117,10 +117,48 @@ def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["variant"], r["TP"], r["batch"], archs.index(r["arch"])))
 
 
+def glance_rows(q_rows: list[dict], bench: dict, archs: list[str]) -> list[dict]:
+    """One row per architecture: quality beside what its schedule hides, for the first screen."""
+    rows = bench["rows"]
+    top_tp = max(bench["settings"]["tp"])
+    links = bench["settings"]["simulated"]["links"]
+
+    def pick(arch, key):
+        for r in rows:
+            if (r["arch"], r["variant"], r.get("link"), r["tp"], r["batch"]) == (arch, "simulated", links[0], top_tp, 1):
+                return r.get(key)
+        return None
+
+    out = []
+    for arch in archs:
+        q = next((r for r in q_rows if r["model"] == arch), {})
+        hidden = sorted(
+            r["exposed_hidden_fraction_decode"]
+            for r in rows
+            if r["arch"] == arch and r["variant"] == "simulated" and r.get("exposed_hidden_fraction_decode") is not None
+        )
+        out.append({
+            "arch": arch,
+            "params": q.get("params"),
+            "val ppl": q.get("val ppl"),
+            "all-reduces per decode step": pick(arch, "decode_comm_calls"),
+            "share of exposed comm hidden (simulated, median)": hidden[len(hidden) // 2] if hidden else None,
+            f"prefill speed-up ({links[0]}, TP {top_tp}, batch 1)": pick(arch, "speedup_prefill"),
+            f"decode speed-up ({links[0]}, TP {top_tp}, batch 1)": pick(arch, "speedup_decode"),
+        })
+    return out
+
+
 def loss_curves(path: Path, pretrained: dict[str, dict]) -> Path:
-    series = {arch: ([s for s, _, _ in r["val_history"]], [loss for _, loss, _ in r["val_history"]])
-              for arch, r in pretrained.items()}
-    panels = {"pretraining at equal tokens": series}
+    def curve(r, start=0):
+        points = [(step, loss) for step, loss, _ in r["val_history"] if step >= start]
+        return [s for s, _ in points], [loss for _, loss in points]
+
+    # The second panel leaves out step 0 (loss ~ log(vocab)), which flattens the differences.
+    panels = {
+        "pretraining at equal tokens": {arch: curve(r) for arch, r in pretrained.items()},
+        "from the first validation on": {arch: curve(r, start=1) for arch, r in pretrained.items()},
+    }
     return report.plot_lines(path, panels, xlabel="optimizer step", ylabel="validation loss",
                              title="validation loss on held-out plays")
 
@@ -134,6 +172,7 @@ def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed)
             images[name.removesuffix(".png")] = Path(shutil.copy(src, out / name))
     q_rows = quality_rows(quality, pretrained)
     s_rows = speed_rows(bench, list(cfg.archs))
+    g_rows = glance_rows(q_rows, bench, list(cfg.archs))
     conv = converted["val"]
     lines = [
         "# overlap-zoo tour",
@@ -141,6 +180,14 @@ def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed)
         f"Produced by `make demo` (`python -m eval.tour`) in {elapsed / 60:.1f} minutes on "
         f"{bench['hardware'].get('cpu', bench['hardware'].get('device', 'this machine'))}. "
         "Every number below was measured in this run.",
+        "",
+        "## At a glance",
+        "",
+        "Quality from the pretraining below; speed from the bench below (simulated link: one rank's real "
+        "compute on this machine plus the link model). The share of exposed communication hidden is the "
+        "robust number on a CPU; time-based speed-ups carry this machine's timing noise.",
+        "",
+        report.write_markdown_table(g_rows, list(g_rows[0])),
         "",
         "## Quality at equal tokens",
         "",
@@ -153,6 +200,9 @@ def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed)
         "",
         f"## Llama -> Ladder conversion (last {converted['ladder_layers']} of "
         f"{converted['num_hidden_layers']} layers)",
+        "",
+        "Measured by `train.convert` on its own validation batches (`evaluate.max_batches`), so the "
+        "numbers differ slightly from the table above; the retrained model saw extra steps.",
         "",
         "| model | val loss | val ppl |",
         "|---|---|---|",
@@ -174,7 +224,7 @@ def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed)
     ]
     path = out / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")
-    report.write_json(out / "tour.json", {"quality": q_rows, "speed": s_rows, "conversion": conv})
+    report.write_json(out / "tour.json", {"glance": g_rows, "quality": q_rows, "speed": s_rows, "conversion": conv})
     if cfg.wandb:
         report.log_to_wandb(
             Path(cfg.paths.output_dir),  # the run directory, not the committed report folder
