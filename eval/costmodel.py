@@ -39,7 +39,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eval import report
-from parallel.link import LINK_PRESETS, LinkPreset, VirtualClock
+from parallel.link import LINK_PRESETS, VirtualClock, get_link
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,8 @@ DEVICES: dict[str, DevicePreset] = {
     "a100-sxm": DevicePreset("a100-sxm", 312e12, 2.039e12, "A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s"),
 }
 
-# NCCL_P2P_DISABLE=1 on an NVSwitch node: no GPU-to-GPU copies, traffic is staged through host memory
-# (NCCL's SHM transport) over each GPU's PCIe link. Not measured here: PCIe Gen5 x16 is ~50 GB/s per
-# direction nominal and every byte crosses it twice (GPU -> host -> GPU), hence ~25 GB/s; per-hop
-# latency of a host round trip taken as the `pcie4` preset's 10 us.
-P2P_OFF = LinkPreset("p2p-off", 10e-6, 25e9, "NCCL P2P disabled: staged through host memory over PCIe Gen5 (assumed)")
-COSTMODEL_LINKS: dict[str, LinkPreset] = {**LINK_PRESETS, P2P_OFF.name: P2P_OFF}
-
 ARCHS = ("standard", "ladder", "parallel", "upper_bound")
 
-
-def cost_link(name_or_preset: "str | LinkPreset") -> LinkPreset:
-    """A link preset of `parallel.link` or of the cost model (p2p-off), by name."""
-    if isinstance(name_or_preset, LinkPreset):
-        return name_or_preset
-    if name_or_preset not in COSTMODEL_LINKS:
-        raise ValueError(f"Unknown link preset {name_or_preset!r}; choose one of {sorted(COSTMODEL_LINKS)}.")
-    return COSTMODEL_LINKS[name_or_preset]
 
 # Ladder Residual paper, 70B table (H100 NVLink, fp16, prompt 1024, 512 generated tokens, compiled
 # with CUDA graphs); tokens/s. "p2p_off" is ladder's speed-up over standard with NCCL_P2P_DISABLE=1.
@@ -169,7 +154,7 @@ def schedule(arch: str, layers: int, t_attn: float, t_mlp: float, t_head: float,
     Compute durations are modelled: the clock's `now` is a counter advanced by each sub-block's time.
     """
     t = [0.0]
-    clock = VirtualClock(cost_link(link), tp, now=lambda: t[0])
+    clock = VirtualClock(get_link(link), tp, now=lambda: t[0])
     clock.start()
 
     def compute(seconds):
@@ -317,8 +302,8 @@ def settings_from(cfg: dict) -> Settings:
     if cfg["device"] not in DEVICES:
         raise ValueError(f"Unknown device preset {cfg['device']!r}; choose one of {sorted(DEVICES)}.")
     for key, name in cfg["links"].items():
-        if name not in COSTMODEL_LINKS:
-            raise ValueError(f"Unknown link preset {name!r} for {key}; choose one of {sorted(COSTMODEL_LINKS)}.")
+        if name not in LINK_PRESETS:
+            raise ValueError(f"Unknown link preset {name!r} for {key}; choose one of {sorted(LINK_PRESETS)}.")
     contention = cfg["contention"]
     if contention != "fit" and not (isinstance(contention, (int, float)) and 0 <= contention <= 1):
         raise ValueError(f"contention={contention!r} must be 'fit' or a number in [0, 1].")
@@ -379,7 +364,7 @@ def run_costmodel(cfg: dict, out_dir: Path, command: str = "") -> dict:
         "source": PUBLISHED_70B_SOURCE,
         "shape": asdict(shape),
         "settings": {**asdict(s), "contention_fitted": fitted},
-        "links": {k: asdict(cost_link(v)) for k, v in cfg["links"].items()},
+        "links": {k: asdict(get_link(v)) for k, v in cfg["links"].items()},
         "config": cfg,
         "mean_abs_log_ratio": errors,
         "rows": rows,

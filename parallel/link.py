@@ -31,6 +31,13 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     # PCIe 4.0 x16: 32 GB/s nominal, ~24 GB/s achieved (P2P off goes through host memory).
     "pcie4": LinkPreset("pcie4", 10e-6, 24e9, "PCIe 4.0 x16, achieved"),
     "ethernet-25g": LinkPreset("ethernet-25g", 25e-6, 25e9 / 8 * 0.9, "25 GbE, 90% line rate"),
+    # NCCL_P2P_DISABLE=1 on an NVSwitch node: no GPU-to-GPU copies, traffic is staged through host memory
+    # (NCCL's SHM transport) over each GPU's PCIe link. Not measured here: PCIe Gen5 x16 is ~50 GB/s per
+    # direction nominal and every byte crosses it twice (GPU -> host -> GPU), hence ~25 GB/s; per-hop
+    # latency of a host round trip taken as the `pcie4` preset's 10 us.
+    "p2p-off": LinkPreset(
+        "p2p-off", 10e-6, 25e9, "NCCL P2P disabled: staged through host memory over PCIe Gen5 (assumed)"
+    ),
 }
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
