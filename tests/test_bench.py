@@ -14,7 +14,7 @@ from eval.bench import add_comparisons, hidden_fraction
 from eval.report import format_value, write_markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = ("llama", "ladder", "parallel")
+ARCHS = ("llama", "ladder", "parallel", "kraken")  # conf/bench.yaml's default archs
 ROW_KEYS = {
     "arch", "tp", "variant", "link", "batch",
     "prefill_ms", "prefill_ms_min", "prefill_ms_max",
@@ -84,19 +84,21 @@ def test_bench_runs_every_variant_and_writes_results(tiny_run):
     for arch in ARCHS:
         for variant, link in [("simulated", "nvlink-h100"), ("upper_bound", None), ("real", None), ("upper_bound_real", None)]:
             assert (arch, variant, link) in got
-    assert len(rows) == 12
+    assert len(rows) == 4 * len(ARCHS)
     for r in rows:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["prefill_ms"] > 0 and r["decode_tok_s"] > 0
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
     # Communication per decode step, from the counters: 2 all-reduces per layer (1 for the parallel
-    # block) of batch x d fp32 values; none at all without collectives.
+    # block and Kraken) of batch x d fp32 values; none at all without collectives.
     layers, d = 4, 128
     by = {(r["arch"], r["variant"]): r for r in rows}
     for variant in ("simulated", "real"):
         assert by[("llama", variant)]["decode_comm_calls"] == 2 * layers
         assert by[("ladder", variant)]["decode_comm_bytes"] == 2 * layers * d * 4
         assert by[("parallel", variant)]["decode_comm_calls"] == layers
+        # Kraken: L-1 stream-sum all-reduces plus the conjunction's
+        assert by[("kraken", variant)]["decode_comm_calls"] == layers
     assert by[("llama", "upper_bound")]["decode_comm_calls"] == 0
     sim = by[("ladder", "simulated")]
     assert sim["decode_exposed_ms"] >= 0 and sim["decode_comm_busy_ms"] > 0
