@@ -60,6 +60,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
 
+    @classmethod
+    def from_config(cls, config, layer_idx: int) -> "Attention":
+        """The attention of a Llama-style config (hidden_size, heads, KV heads, head_dim, attention_bias)."""
+        return cls(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            layer_idx,
+            bias=config.attention_bias,
+        )
+
     def forward(
         self,
         x: torch.Tensor,

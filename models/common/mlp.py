@@ -16,5 +16,10 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
+    @classmethod
+    def from_config(cls, config) -> "SwiGLUMLP":
+        """The MLP of a Llama-style config (hidden_size, intermediate_size, mlp_bias)."""
+        return cls(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

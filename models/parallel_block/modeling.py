@@ -12,15 +12,8 @@ from parallel import comm
 class ParallelDecoderLayer(nn.Module):
     def __init__(self, config: ZooParallelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            layer_idx,
-            bias=config.attention_bias,
-        )
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.self_attn = Attention.from_config(config, layer_idx)
+        self.mlp = SwiGLUMLP.from_config(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None
 
