@@ -2,28 +2,51 @@
 
 Every function takes a tensor and a process group and returns a `Handle`; `handle.wait()` gives the
 result. The place a model calls `wait()` is the place the communication stops being hidden, so it
-is written in the model's `forward()`. With `group=None` (no tensor parallelism) every function is
-the identity and nothing is counted.
+is written in the model's `forward()`. With `group=None` (no parallelism over that dimension) every
+function is the identity and nothing is counted.
+
+Collectives: `all_reduce`, `all_gather`, `reduce_scatter`, and `all_to_all` with equal splits or with
+unequal per-rank row counts (`send_splits` / `recv_splits`, rows along dim 0; what expert parallelism
+needs to send each expert's tokens to the rank holding it). `exchange_splits` tells every rank how
+many rows it will receive from each peer (a small blocking all-to-all of the counts).
 
 Modes (`set_mode`, or the `use_mode` context manager):
 - `real`: torch.distributed collectives (gloo on CPU, nccl on CUDA), `async_op=True`.
 - `none`: skip every collective and return the local tensor: the communication-free upper bound,
-  same per-rank compute, meaningless values.
-- `simulated`: one process plays rank 0 of a P-way group (e.g. on PyTorch's fake process group);
-  nothing is sent, each collective is timed on a virtual link (`parallel.link.VirtualClock`).
+  same per-rank compute, meaningless values. An all-to-all whose receive counts differ from its send
+  counts returns each send chunk cut or zero-padded to its receive count (right shape, still
+  differentiable); `exchange_splits` returns the send counts (traffic taken as symmetric).
+- `simulated`: one process plays rank 0 of the mesh (e.g. on PyTorch's fake process group); nothing
+  is sent, each collective is timed on a virtual link (`parallel.link.VirtualClock`) with the size
+  P of ITS OWN group (`dist.get_world_size(group)`: on an ep x tp mesh the all-to-all over ep and the
+  all-reduce over tp have different P). The link is one preset for every group
+  (`set_mode("simulated", link="nvlink-h100")`) or one per mesh dimension
+  (`link={"tp": "nvlink-h100", "ep": "ethernet-25g"}`; a group's dimension is the name
+  `parallel.mesh` gave it). `world_size` is only the fallback P for a clock used without groups.
+  The values are stand-ins: peers are taken to send this rank what it sends them (so
+  `exchange_splits` returns the send counts and an all-to-all returns its input, each chunk cut or
+  zero-padded to the receive count when those are given and differ). An all-to-all with unequal
+  splits is timed by the bytes this rank sends to and receives from its peers:
+  (P-1) alpha + max(sent, received) / beta (`parallel.link.all_to_all_time`).
 
-All functions are autograd-correct (the backward of each collective is its adjoint), so the same
-calls serve tensor-parallel training. Calls and bytes are counted per kind in `counters`.
+All functions are autograd-correct (the backward of each collective is its adjoint; for an
+all-to-all, the all-to-all with send and receive splits swapped), so the same calls serve training.
+Backward collectives are issued and waited at once. Calls and bytes are counted per kind in
+`counters` (bytes = the input tensor's size; for all-to-all, the rows this rank sends including its
+own chunk); the count exchange of `exchange_splits` is counted as its own kind, `exchange_splits`.
 """
 
+import math
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from parallel.link import VirtualClock, get_link
+from parallel.link import VirtualClock, get_links
+from parallel.mesh import group_dim
 
 MODES = ("real", "none", "simulated")
 
@@ -39,16 +62,22 @@ counters: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 
 
 
 def set_mode(mode: str, *, link="nvlink-h100", world_size: int | None = None, now=None, sync=None) -> None:
-    """Switch communication mode. `simulated` needs `world_size` (P) and uses `link`'s alpha-beta model."""
+    """Switch communication mode.
+
+    `simulated` times each collective on `link`'s alpha-beta model: a preset name or `LinkPreset` for
+    every group, or {mesh dimension name: preset}. Each collective uses its own group's size;
+    `world_size` (optional) is the P for clock calls that name no group.
+    """
     if mode not in MODES:
         raise ValueError(f"Unknown communication mode {mode!r}; choose one of {MODES}.")
-    _state.mode = mode
-    _state.clock = None
+    clock = None
     if mode == "simulated":
-        if not world_size or world_size < 2:
-            raise ValueError(f"Simulated mode needs world_size >= 2 (the P it plays rank 0 of), got {world_size}.")
+        if world_size is not None and world_size < 2:
+            raise ValueError(f"Simulated mode's world_size (the P it plays rank 0 of) must be >= 2, got {world_size}.")
         kwargs = {"now": now} if now is not None else {}
-        _state.clock = VirtualClock(get_link(link), world_size, sync=sync, **kwargs)
+        clock = VirtualClock(get_links(link), world_size, sync=sync, **kwargs)
+    # Switch only once the link is known good, so a bad preset leaves the previous mode in place.
+    _state.mode, _state.clock = mode, clock
 
 
 def get_mode() -> str:
@@ -101,10 +130,14 @@ def _active(group) -> bool:
     return group is not None and _state.mode != "none" and dist.get_world_size(group) > 1
 
 
-def _record(kind: str, nbytes: int) -> float | None:
-    counters[kind]["calls"] += 1
-    counters[kind]["bytes"] += nbytes
-    return _state.clock.issue(kind, nbytes) if _state.mode == "simulated" else None
+def _record(kind: str, nbytes: int, group, peer_bytes=None, counter: str | None = None) -> float | None:
+    """Count a collective; when simulated, put it on its group's link and return when it is ready."""
+    counters[counter or kind]["calls"] += 1
+    counters[counter or kind]["bytes"] += nbytes
+    if _state.mode != "simulated":
+        return None
+    p = dist.get_world_size(group)
+    return _state.clock.issue(kind, nbytes, p, group_dim(group), peer_bytes=peer_bytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -124,7 +157,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, box):
         out = x.contiguous().clone()
-        box.ready_at = _record("all_reduce", _nbytes(out))
+        box.ready_at = _record("all_reduce", _nbytes(out), group)
         if _state.mode == "real":
             box.work = dist.all_reduce(out, group=group, async_op=True)
         return out
@@ -144,7 +177,7 @@ class _AllGather(torch.autograd.Function):
         shape = list(x.shape)
         shape[dim] *= p
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        box.ready_at = _record("all_gather", _nbytes(out))
+        box.ready_at = _record("all_gather", _nbytes(out), group)
         if _state.mode == "real":
             # Gather along dim 0 of a stacked buffer, then move the rank axis next to `dim`.
             stacked = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -166,7 +199,7 @@ def _reduce_scatter_sync(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     p = dist.get_world_size(group)
     parts = [c.contiguous() for c in x.chunk(p, dim=dim)]
     out = torch.empty_like(parts[0])
-    ready_at = _record("reduce_scatter", _nbytes(x))
+    ready_at = _record("reduce_scatter", _nbytes(x), group)
     if _state.mode == "real":
         dist.reduce_scatter_single(out, torch.cat(parts, dim=0), group=group)
         return out
@@ -210,26 +243,54 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
-    """Equal splits along dim 0: chunk i goes to rank i; the result stacks the chunks received."""
+    """Rows along dim 0: chunk i (send[i] rows) goes to rank i; the result stacks the chunks received
+    (recv[i] rows from rank i). send = recv = None means equal splits."""
 
     @staticmethod
-    def forward(ctx, x, group, box):
-        ctx.group = group
+    def forward(ctx, x, group, send, recv, box):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
         x = x.contiguous()
-        out = torch.empty_like(x)
-        box.ready_at = _record("all_to_all", _nbytes(x))
+        rows = x.shape[0] if recv is None else sum(recv)
+        if _state.mode != "none":
+            box.ready_at = _record("all_to_all", _nbytes(x), group, _peer_bytes(x, group, send, recv))
         if _state.mode == "real":
-            box.work = dist.all_to_all_single(out, x, group=group, async_op=True)
-        else:
-            out = x.clone()
-        return out
+            out = x.new_empty((rows, *x.shape[1:]))
+            box.work = dist.all_to_all_single(
+                out, x, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True
+            )
+            return out
+        return _stand_in(x, send, recv)
 
     @staticmethod
     def backward(ctx, grad):
-        # The adjoint of an equal-split all-to-all is the same all-to-all.
+        # Row j of rank r's output is one row of some rank's input, moved unchanged: the adjoint sends
+        # each gradient row back where it came from, the all-to-all with the splits swapped.
         box = _Box()
-        out = _AllToAll.apply(grad.contiguous(), ctx.group, box)
-        return _finish(box, out), None, None
+        out = _AllToAll.apply(grad.contiguous(), ctx.group, ctx.recv, ctx.send, box)
+        return _finish(box, out), None, None, None, None
+
+
+def _peer_bytes(x: torch.Tensor, group, send, recv) -> tuple[int, int] | None:
+    """(sent, received) bytes to/from the OTHER ranks, for timing an uneven all-to-all; None if equal."""
+    if send is None:
+        return None  # equal splits: the ring formula on the input size gives the same time
+    me = dist.get_rank(group)
+    row_bytes = x.element_size() * math.prod(x.shape[1:])  # x may have no rows
+    return (sum(send) - send[me]) * row_bytes, (sum(recv) - recv[me]) * row_bytes
+
+
+def _stand_in(x: torch.Tensor, send, recv) -> torch.Tensor:
+    """What `none` / `simulated` return: peers send back what they were sent, cut or zero-padded per chunk
+    to the receive counts. Its adjoint is the same operation with the counts swapped."""
+    if send is None or send == recv:
+        return x.clone()
+    pieces = []
+    for chunk, rows in zip(x.split(send), recv, strict=True):
+        if chunk.shape[0] >= rows:
+            pieces.append(chunk[:rows])
+        else:
+            pieces += [chunk, x.new_zeros((rows - chunk.shape[0], *x.shape[1:]))]
+    return torch.cat(pieces)
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -273,13 +334,82 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
     return Handle(_ReduceScatter.apply(x, group, dim))
 
 
-def all_to_all(x: torch.Tensor, group) -> Handle:
-    """Send chunk i of `x` (equal splits along dim 0) to rank i; receive one chunk from each rank."""
-    if not _active(group):
+def all_to_all(x: torch.Tensor, group, send_splits=None, recv_splits=None) -> Handle:
+    """Send rows of `x` (dim 0) to the ranks of `group`: `send_splits[i]` rows to rank i, in order; receive
+    `recv_splits[i]` rows from rank i, stacked in rank order.
+
+    Both None: equal splits (`x.shape[0]` divisible by P). Only `send_splits`: the receive counts are
+    found first with `exchange_splits` (a blocking exchange; pass `recv_splits` when known to skip it).
+    Only `recv_splits`: equal send splits. Splits are sequences of ints (or 1-D tensors) of length P.
+    """
+    p = dist.get_world_size(group) if group is not None else 1
+    send = _splits(send_splits, p, "send_splits")
+    recv = _splits(recv_splits, p, "recv_splits")
+    if send is not None or recv is not None:
+        if send is None:
+            send = _equal_splits(x, p)
+        if sum(send) != x.shape[0]:
+            raise ValueError(f"send_splits {send} sum to {sum(send)} rows but the tensor has {x.shape[0]} rows.")
+        if recv is None:
+            recv = exchange_splits(send, group)
+    elif p > 1:
+        _equal_splits(x, p)  # checks divisibility
+    if p == 1:  # no group, or a group of one rank
+        if recv != send:
+            raise ValueError(f"On one rank the rows received must be the rows sent ({send}), got recv_splits {recv}.")
+        return Handle(x)
+    if _state.mode == "none" and recv == send:
         return Handle(x)
     box = _Box()
-    out = _AllToAll.apply(x, group, box)
+    out = _AllToAll.apply(x, group, send, recv, box)
     return Handle(out, box.work, box.ready_at)
+
+
+def exchange_splits(send_splits, group) -> list[int]:
+    """Given how many rows this rank sends to each rank of `group`, return how many it receives from
+    each (an all-to-all of the counts, waited at once: the counts size the receive buffer).
+
+    `none` and `simulated` modes return the send counts (peers taken to send back what they receive).
+    """
+    p = dist.get_world_size(group) if group is not None else 1
+    send = _splits(send_splits, p, "send_splits")
+    if send is None:
+        raise ValueError("exchange_splits needs the send counts, got None.")
+    if not _active(group):
+        return send
+    # Timed and counted as an all-to-all of P int64 counts, under its own counter name.
+    ready_at = _record("all_to_all", 8 * p, group, counter="exchange_splits")
+    if _state.mode == "simulated":
+        _state.clock.wait(ready_at)
+        return send
+    if isinstance(send_splits, torch.Tensor):
+        device = send_splits.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    counts = torch.tensor(send, dtype=torch.int64, device=device)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return [int(n) for n in received.tolist()]
+
+
+def _splits(splits, p: int, name: str) -> list[int] | None:
+    """Validate per-rank row counts: None, or P non-negative ints (a list, tuple or 1-D tensor)."""
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, Sequence):
+        raise ValueError(f"{name} must be a sequence of {p} row counts, got {splits!r}.")
+    counts = [int(n) for n in splits]
+    if len(counts) != p or any(n < 0 for n in counts):
+        raise ValueError(f"{name} must be {p} non-negative row counts (one per rank of the group), got {counts}.")
+    return counts
+
+
+def _equal_splits(x: torch.Tensor, p: int) -> list[int]:
+    if x.shape[0] % p:
+        raise ValueError(f"An equal-split all-to-all over {p} ranks needs rows divisible by {p}, got {x.shape[0]}.")
+    return [x.shape[0] // p] * p
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

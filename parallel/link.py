@@ -4,13 +4,27 @@ A collective of n bytes over a P-way ring costs, per NCCL's ring algorithms,
     all-reduce:       2 (P-1) alpha + 2 (P-1)/P * n / beta
     all-gather:         (P-1) alpha +   (P-1)/P * n / beta     (n = gathered output size)
     reduce-scatter:     (P-1) alpha +   (P-1)/P * n / beta     (n = input size)
-    all-to-all:         (P-1) alpha +   (P-1)/P * n / beta
+    all-to-all:         (P-1) alpha +   (P-1)/P * n / beta     (equal splits, n = input size)
 with alpha the per-hop latency and beta the per-direction bandwidth in bytes/s.
 
-`VirtualClock` plays rank 0 of a P-way group in one process: compute is measured for real between
-communication events; each collective goes on one FIFO link starting when both it is issued and the
-link is free; waiting on a result that is not ready yet advances the clock to its finish time and
-that gap is the exposed communication.
+An all-to-all with unequal splits (`all_to_all_time`) is charged by what THIS rank moves:
+    (P-1) alpha + max(sent, received) / beta
+with `sent` the bytes it sends to the other P-1 ranks and `received` the bytes it receives from them
+(its own chunk stays local). One alpha per peer; sending and receiving overlap (links are full
+duplex), so the larger direction sets the time. With equal splits sent = received = (P-1)/P * n,
+which is the formula above. The model sees one rank only: a peer that is slower (more tokens routed
+to it) finishes later in reality, which this rank's time does not include.
+
+P is the size of the collective's own process group: on an ep x tp mesh an all-to-all over ep and an
+all-reduce over tp are timed with their own P (`VirtualClock.issue(..., world_size=P)`).
+
+`VirtualClock` plays one rank in one process: compute is measured for real between communication
+events; each collective goes on a FIFO link starting when both it is issued and that link is free;
+waiting on a result that is not ready yet advances the clock to its finish time and that gap is the
+exposed communication. The clock holds either one link for every group, or one link per mesh
+dimension (`{"tp": "nvlink-h100", "ep": "ethernet-25g"}`). Dimensions given the same preset share
+one FIFO queue (they are taken to be the same hardware); different presets are independent links
+whose transfers run at the same time.
 """
 
 import time
@@ -54,6 +68,13 @@ def collective_time(kind: str, nbytes: int, world_size: int, link: LinkPreset) -
     return steps * link.alpha_s + steps / p * nbytes / link.beta_Bps
 
 
+def all_to_all_time(sent_bytes: int, received_bytes: int, world_size: int, link: LinkPreset) -> float:
+    """Seconds for one rank's part of an all-to-all with unequal splits (bytes to / from OTHER ranks)."""
+    if world_size <= 1:
+        return 0.0
+    return (world_size - 1) * link.alpha_s + max(sent_bytes, received_bytes) / link.beta_Bps
+
+
 def get_link(name_or_preset: "str | LinkPreset") -> LinkPreset:
     if isinstance(name_or_preset, LinkPreset):
         return name_or_preset
@@ -62,24 +83,60 @@ def get_link(name_or_preset: "str | LinkPreset") -> LinkPreset:
     return LINK_PRESETS[name_or_preset]
 
 
+def get_links(link) -> "LinkPreset | dict[str, LinkPreset]":
+    """One preset (name or `LinkPreset`), or a {mesh dimension name: preset} mapping, resolved to presets."""
+    if isinstance(link, dict):
+        if not link:
+            raise ValueError("A per-dimension link mapping needs at least one {dimension: preset} entry.")
+        return {dim: get_link(preset) for dim, preset in link.items()}
+    return get_link(link)
+
+
 @dataclass
 class VirtualClock:
-    """The simulated rank's timeline. `now` is a function returning seconds of real compute time."""
+    """The simulated rank's timeline. `now` is a function returning seconds of real compute time.
 
-    link: LinkPreset
-    world_size: int
+    `link` is one `LinkPreset` for every collective, or {mesh dimension name: LinkPreset}.
+    `world_size` is the P used by `issue` calls that do not pass their own group's size.
+    """
+
+    link: "LinkPreset | dict[str, LinkPreset]"
+    world_size: int | None = None
     now: "callable" = time.perf_counter
     sync: "callable | None" = None  # e.g. torch.cuda.synchronize, so measured compute is finished
     clock: float = 0.0  # virtual time, seconds
-    link_free_at: float = 0.0
     exposed: float = 0.0  # communication time not covered by compute
-    comm_busy: float = 0.0  # total link time
+    comm_busy: float = 0.0  # total link time, summed over links
+    free_at: dict = field(default_factory=dict)  # LinkPreset -> virtual time its FIFO queue is free
     _last: float | None = field(default=None, repr=False)
+
+    @property
+    def link_free_at(self) -> float:
+        """When the last queued transfer on any link finishes."""
+        return max(self.free_at.values(), default=0.0)
+
+    def link_for(self, dim: str | None) -> LinkPreset:
+        """The link a collective over mesh dimension `dim` (None: not a known mesh dimension) runs on."""
+        if not isinstance(self.link, dict):
+            return self.link
+        if dim is None:
+            raise ValueError(
+                f"The simulated links are given per mesh dimension ({sorted(self.link)}), but this collective's "
+                "process group is not a dimension of a mesh from parallel.init_mesh; use a mesh group, "
+                "register the group with parallel.mesh.name_group, or give one link for all groups."
+            )
+        if dim not in self.link:
+            raise ValueError(
+                f"A collective runs over mesh dimension {dim!r} but the simulated links name only "
+                f"{sorted(self.link)}; add a link for {dim!r}."
+            )
+        return self.link[dim]
 
     def start(self) -> None:
         if self.sync:
             self.sync()
-        self.clock = self.link_free_at = self.exposed = self.comm_busy = 0.0
+        self.clock = self.exposed = self.comm_busy = 0.0
+        self.free_at = {}
         self._last = self.now()
 
     def _advance(self) -> None:
@@ -97,15 +154,36 @@ class VirtualClock:
         """Restart the compute stopwatch: bookkeeping time since the last event is not compute."""
         self._last = self.now()
 
-    def issue(self, kind: str, nbytes: int) -> float:
-        """Put a collective on the link; returns the virtual time its result is ready."""
+    def issue(
+        self,
+        kind: str,
+        nbytes: int,
+        world_size: int | None = None,
+        dim: str | None = None,
+        *,
+        peer_bytes: "tuple[int, int] | None" = None,
+    ) -> float:
+        """Put a collective on its link; returns the virtual time its result is ready.
+
+        `world_size`: the P of the collective's group (default: the clock's `world_size`); `dim`: the mesh
+        dimension the group spans, which picks the link when links are given per dimension;
+        `peer_bytes`: (sent, received) bytes to/from the other ranks, for an all-to-all with unequal
+        splits (then timed by `all_to_all_time` instead of the ring formula on `nbytes`).
+        """
         self._advance()
-        duration = collective_time(kind, nbytes, self.world_size, self.link)
-        start = max(self.clock, self.link_free_at)
-        self.link_free_at = start + duration
+        p = world_size if world_size is not None else self.world_size
+        if p is None:
+            raise ValueError(f"No world size for a simulated {kind}: pass the group's size or give the clock one.")
+        link = self.link_for(dim)
+        if peer_bytes is not None:
+            duration = all_to_all_time(*peer_bytes, p, link)
+        else:
+            duration = collective_time(kind, nbytes, p, link)
+        start = max(self.clock, self.free_at.get(link, 0.0))
+        self.free_at[link] = start + duration
         self.comm_busy += duration
         self.rebase()
-        return self.link_free_at
+        return self.free_at[link]
 
     def wait(self, ready_at: float) -> None:
         self._advance()

@@ -4,16 +4,34 @@
 group (gloo on CPU, nccl on CUDA) and returns a mesh with named dimensions ("dp", "ep", "sp", "tp",
 outermost first). `init_mesh(tp=4, fake=True)` builds a real 4-way mesh in ONE process on PyTorch's
 fake process group: the simulated-link bench plays rank 0 of it.
+
+Every process group of a mesh dimension remembers its dimension name (`group_dim`), so the simulated
+link can time a collective on that dimension's link (`parallel.comm.set_mode("simulated",
+link={"tp": ..., "ep": ...})`). Groups built elsewhere can be named with `name_group`.
 """
 
 import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIM_ORDER = ("dp", "ep", "sp", "tp")
+
+# Process group -> mesh dimension name. Weak keys: a destroyed group's entry goes with it.
+_GROUP_DIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def name_group(group, dim: str) -> None:
+    """Remember that `group` spans mesh dimension `dim` (init_mesh and mesh_group do this for theirs)."""
+    _GROUP_DIMS[group] = dim
+
+
+def group_dim(group) -> str | None:
+    """The mesh dimension name `group` spans, or None if it is not a known mesh group."""
+    return _GROUP_DIMS.get(group) if group is not None else None
 
 
 def init_mesh(
@@ -53,7 +71,14 @@ def init_mesh(
             f"Parallel degrees {degrees} multiply to {size} but the process group has "
             f"world size {dist.get_world_size()}; launch {size} processes or change the degrees."
         )
-    return init_device_mesh(device_type, tuple(degrees[d] for d in DIM_ORDER), mesh_dim_names=DIM_ORDER)
+    mesh = init_device_mesh(device_type, tuple(degrees[d] for d in DIM_ORDER), mesh_dim_names=DIM_ORDER)
+    # A dimension spanning every rank is handed the default group, which outlives meshes: drop the name
+    # an earlier mesh gave it. Size-1 dimensions never communicate and are left unnamed.
+    _GROUP_DIMS.pop(dist.group.WORLD, None)
+    for dim in DIM_ORDER:
+        if degrees[dim] > 1:
+            name_group(mesh.get_group(dim), dim)
+    return mesh
 
 
 def mesh_group(mesh: DeviceMesh | None, dim: str, needed_by: str = "this layout"):
@@ -63,4 +88,7 @@ def mesh_group(mesh: DeviceMesh | None, dim: str, needed_by: str = "this layout"
     names = mesh.mesh_dim_names or ()
     if dim not in names:
         raise ValueError(f"The mesh has dimensions {names} but {needed_by} needs a {dim!r} dimension.")
-    return mesh.get_group(dim)
+    group = mesh.get_group(dim)
+    if mesh.size(names.index(dim)) > 1:
+        name_group(group, dim)
+    return group
