@@ -19,7 +19,7 @@ import parallel
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, match_llama_parameters
 from models.llama import ZooLlamaConfig
 from parallel import comm
-from parallel.tp import (
+from parallel.state import (
     full_optimizer_state,
     full_state_dict,
     grad_norm,

@@ -8,11 +8,16 @@ import torch
 import models
 import parallel
 from parallel import comm
-from parallel.tp import full_optimizer_state, full_state_dict, load_full_optimizer_state, load_full_state_dict
+from parallel.state import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_optimizer_state,
+    load_full_state_dict,
+)
 from tests.distributed import run_ranks
 
 ATOL = 1e-5
-TP_ARCHS = sorted(name for name, e in models.ZOO.items() if getattr(e.model_class, "tp_plan", None))
+TP_ARCHS = sorted(name for name, e in models.ZOO.items() if "tp" in getattr(e.model_class, "shard_plan", {}))
 # Shapes every TP degree up to 4 divides.
 TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
 # Architectures whose ranks hold whole streams (Kraken): built with one stream per rank, heads not split.

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from models.common import ZooDecoderModel, ZooForCausalLM
 from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
 from models.kraken.configuration import ZooKrakenConfig
-from models.kraken.sharding import TP_PLAN
+from models.kraken.sharding import PLAN, check_layout
 from models.llama.modeling import LlamaDecoderLayer, ZooLlamaPreTrainedModel
 from parallel import comm
 
@@ -64,14 +64,9 @@ class ZooKrakenPreTrainedModel(ZooLlamaPreTrainedModel):
         if isinstance(module, ZooKrakenModel) and hasattr(module, "conjunction_bias"):  # not yet in the first pass
             init.zeros_(module.conjunction_bias)
 
-    def check_tp(self, tp: int) -> None:
-        """Kraken's layout has one stream per rank: the TP degree must be k (or 1, unsharded)."""
-        k = self.config.kraken_degree
-        if tp not in (1, k):
-            raise ValueError(
-                f"Kraken with kraken_degree={k} runs at TP degree {k} (rank i holds stream i), not at TP degree "
-                f"{tp}; TP degrees that fit this model: {sorted({1, k})} (or build it with kraken_degree={tp})."
-            )
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One stream per rank: the TP degree must be k (or 1); see models/kraken/sharding.py."""
+        check_layout(self.config, degrees)
 
 
 class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
@@ -128,4 +123,4 @@ def _reserve_cache_layers(cache: Cache | None, n: int) -> None:
 
 class ZooKrakenForCausalLM(ZooKrakenPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooKrakenModel
-    tp_plan = TP_PLAN
+    shard_plan = PLAN

@@ -12,7 +12,7 @@ layers. Without a process group the all-reduces are identities and this is still
 
 from models.common import ZooDecoderModel, ZooForCausalLM
 from models.ladder.configuration import ZooLadderConfig
-from models.ladder.sharding import TP_PLAN
+from models.ladder.sharding import PLAN
 from models.llama.modeling import LlamaDecoderLayer, ZooLlamaPreTrainedModel
 from parallel import comm
 
@@ -51,4 +51,4 @@ def _add(x, pending: "comm.Handle | None"):
 
 class ZooLadderForCausalLM(ZooLadderPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLadderModel
-    tp_plan = TP_PLAN
+    shard_plan = PLAN  # check_layout: Llama's (inherited)

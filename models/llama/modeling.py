@@ -8,7 +8,7 @@ from torch import nn
 
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.llama.configuration import ZooLlamaConfig
-from models.llama.sharding import TP_PLAN
+from models.llama.sharding import PLAN, check_layout
 from parallel import comm
 
 
@@ -42,6 +42,10 @@ class ZooLlamaPreTrainedModel(ZooPreTrainedModel):
     config: ZooLlamaConfig
     _no_split_modules = ["LlamaDecoderLayer"]
 
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
+        check_layout(self.config, degrees)
+
 
 class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
@@ -50,4 +54,4 @@ class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
 
 class ZooLlamaForCausalLM(ZooLlamaPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLlamaModel
-    tp_plan = TP_PLAN
+    shard_plan = PLAN

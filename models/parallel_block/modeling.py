@@ -5,7 +5,7 @@ from torch import nn
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM
 from models.llama.modeling import ZooLlamaPreTrainedModel
 from models.parallel_block.configuration import ZooParallelConfig
-from models.parallel_block.sharding import TP_PLAN
+from models.parallel_block.sharding import PLAN
 from parallel import comm
 
 
@@ -36,4 +36,4 @@ class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):
 
 class ZooParallelForCausalLM(ZooParallelPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooParallelModel
-    tp_plan = TP_PLAN
+    shard_plan = PLAN  # check_layout: Llama's (inherited)

@@ -1,8 +1,14 @@
-"""Tensor-parallel layout of the parallel block: Megatron col/row like Llama, but the layer sums the
-attention and MLP partial outputs first, so ONE all-reduce of B x T x d per layer."""
+"""Shard layout of the parallel block: Megatron col/row like Llama, but the layer sums the attention and
+MLP partial outputs first, so ONE all-reduce of B x T x d per layer. Same degrees fit as for Llama."""
 
-TP_PLAN = {
-    "model.layers.*.self_attn": "attention",
-    "model.layers.*.mlp": "swiglu",
-    "model.layers.*": "tp_group",
+from models.llama.sharding import check_layout
+
+PLAN = {
+    "tp": {
+        "model.layers.*.self_attn": "attention",
+        "model.layers.*.mlp": "swiglu",
+        "model.layers.*": "group",
+    },
 }
+
+__all__ = ["PLAN", "check_layout"]
