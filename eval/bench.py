@@ -125,6 +125,11 @@ def resolve_device(cfg: dict) -> tuple[torch.device, torch.dtype]:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={cfg['device']} but CUDA is not available on this machine (torch {torch.__version__}); "
+            "use device=auto or device=cpu."
+        )
     dtype = cfg["dtype"]
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"

@@ -40,6 +40,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device} but CUDA is not available on this machine (torch {torch.__version__}); "
+            "use device=auto or device=cpu."
+        )
     return str(device)
 
 

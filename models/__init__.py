@@ -1,5 +1,6 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
+from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
@@ -25,4 +26,14 @@ register("ladder", ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel, tiny_c
 # Tiny Kraken: two streams, each of the tiny llama's layer shapes (so TP 2 fits; tests use k = TP degree).
 register("kraken", ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel, tiny_config={**TINY_LLAMA, "kraken_degree": 2})
 
-__all__ = ["TINY_LLAMA", "ZOO", "ZooEntry", "build_config", "build_model", "get", "register"]
+__all__ = [
+    "TINY_LLAMA",
+    "ZOO",
+    "ZooEntry",
+    "apply_special_tokens",
+    "build_config",
+    "build_model",
+    "get",
+    "register",
+    "save_checkpoint",
+]

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import models
+from train.data import load_tokenizer
 
 ARCHS = sorted(models.ZOO)
 ATOL = 1e-5
@@ -67,6 +68,48 @@ def test_save_load_round_trip_in_fresh_process(name, tmp_path):
     assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
     saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert saved["model_type"] == model.config.model_type
+
+
+class ScriptedTokens(LogitsProcessor):
+    """Makes greedy decoding emit `script[t]` at new-token step t, whatever the model says."""
+
+    def __init__(self, script: list[int], prompt_len: int):
+        self.script, self.prompt_len = script, prompt_len
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.script[input_ids.shape[1] - self.prompt_len]] = 0.0
+        return forced
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_save_checkpoint_uses_tokenizer_special_tokens(name, tmp_path):
+    """config.json and generation_config.json carry the tokenizer's bos / eos / pad, and generate() with
+    the saved generation config stops at the tokenizer's eos (not at Llama's default eos id 2)."""
+    tokenizer = load_tokenizer()  # the bundled one: bos = eos = 0, pad = 1
+    models.save_checkpoint(tiny_model(name), tokenizer, tmp_path)
+    want = {key: getattr(tokenizer, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    for file in ("config.json", "generation_config.json"):
+        saved = json.loads((tmp_path / file).read_text())
+        assert {key: saved.get(key) for key in want} == want, file
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = tokens(1, 4, loaded.config.vocab_size)
+    eos, old_default_eos = tokenizer.eos_token_id, 2
+    # The script passes through the old default eos before the tokenizer's eos, then would go on.
+    script = [5, old_default_eos, 7, eos, 9, 9, 9, 9]
+    scripted = LogitsProcessorList([ScriptedTokens(script, prompt.shape[1])])
+    out = loaded.generate(prompt, max_new_tokens=len(script), do_sample=False, logits_processor=scripted)
+    assert out[0, prompt.shape[1] :].tolist() == script[:4]
+    # Sanity of the test itself: with eos id 2 (the Llama default) generation would stop one step after 5.
+    out = loaded.generate(
+        prompt,
+        max_new_tokens=len(script),
+        do_sample=False,
+        logits_processor=scripted,
+        eos_token_id=old_default_eos,
+    )
+    assert out[0, prompt.shape[1] :].tolist() == script[:2]
 
 
 @pytest.mark.parametrize("name", ARCHS)

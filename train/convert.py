@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM
 
 import models  # noqa: F401  (registers the zoo with the Auto classes)
 from eval.perplexity import evaluate_loss
-from models.ladder.convert import llama_to_ladder
+from models.checkpoint import save_checkpoint
+from models.ladder.configuration import ZooLadderConfig
+from models.ladder.convert import CONVERTIBLE, llama_to_ladder
 from train.data import load_tokenizer
 
 
@@ -26,19 +28,47 @@ def _has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
+def check_source(source: Path, ladder_layers: int | list[int]) -> None:
+    """What would make the conversion fail, or write a checkpoint that does not load: checked before
+    anything is loaded or written."""
+    hint = (
+        "pass the directory of a saved Llama checkpoint (config.json + model.safetensors), "
+        "e.g. outputs/pretrain/<time>/hf"
+    )
+    if not source.is_dir():
+        what = "is a file, not a directory" if source.exists() else "does not exist"
+        raise FileNotFoundError(f"source={source} {what}; {hint}.")
+    config_file = source / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"source={source} has no config.json, so it is not a saved checkpoint; {hint}.")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (ValueError, AttributeError) as error:
+        raise ValueError(f"{config_file} is not a JSON object ({error}); {hint}.") from error
+    if model_type not in CONVERTIBLE:
+        raise ValueError(
+            f"source={source} has model_type={model_type!r}, not a Llama; train.convert converts "
+            f"{', '.join(map(repr, CONVERTIBLE))} checkpoints to Ladder."
+        )
+    if not any(source.glob("*.safetensors")) and not any(source.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"source={source} has a config.json but no weights (*.safetensors); {hint}.")
+    # The Ladder config's own checks (ladder_layers in range for this checkpoint's layers).
+    ZooLadderConfig.from_pretrained(source, ladder_layers=ladder_layers)
+
+
 def convert(cfg: DictConfig) -> dict:
     source = Path(cfg.source)
     run_dir = Path(cfg.paths.output_dir).resolve()
     out = run_dir / "ladder"
-    tokenizer_source = str(source) if _has_tokenizer(source) else cfg.data.tokenizer
-    tokenizer = load_tokenizer(tokenizer_source)
-
     ladder_layers = cfg.ladder_layers
     if OmegaConf.is_config(ladder_layers):  # a list of layer indices
         ladder_layers = OmegaConf.to_object(ladder_layers)
+    check_source(source, ladder_layers)
+    tokenizer_source = str(source) if _has_tokenizer(source) else cfg.data.tokenizer
+    tokenizer = load_tokenizer(tokenizer_source)
+
     ladder = llama_to_ladder(source, ladder_layers)
-    ladder.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_checkpoint(ladder, tokenizer, out)
     result = {
         "source": str(source),
         "ladder_layers": ladder.config.ladder_layers,

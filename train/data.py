@@ -19,11 +19,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import datasets
 import lightning as L
@@ -162,7 +165,7 @@ def _load_shakespeare(validation_fraction: float, seed: int) -> datasets.Dataset
 def _load_other(
     source: str, hf_config: str | None, text_column: str, validation_fraction: float, seed: int
 ) -> datasets.DatasetDict:
-    loaded = datasets.load_dataset(source, hf_config)
+    loaded = _load_local_or_hub_dataset(source, hf_config)
     if "train" not in loaded:
         raise ValueError(f"Dataset {source!r} has no 'train' split (it has {list(loaded)}).")
     if "validation" in loaded:
@@ -182,18 +185,129 @@ def _load_other(
     return dsd
 
 
+def _load_local_or_hub_dataset(source: str, hf_config: str | None) -> datasets.DatasetDict:
+    """`datasets.load_dataset`, failing at once, naming the setting, when a hub dataset cannot be fetched."""
+    if is_local_source(source, "data.source"):
+        return datasets.load_dataset(source, hf_config)
+    problem = hub_problem()
+    if problem is None:
+        return datasets.load_dataset(source, hf_config)
+    if offline_setting() is None:
+        # Unreachable but not in offline mode: `datasets` would retry for most of a minute before failing.
+        raise ConnectionError(
+            f"data.source={source!r} is a hub dataset, not a local path, and {problem}; set HF_HUB_OFFLINE=1 "
+            "HF_DATASETS_OFFLINE=1 to read a cached copy, pass a local path, or use data=shakespeare (the "
+            "bundled corpus)."
+        )
+    try:
+        return datasets.load_dataset(source, hf_config)
+    except (ConnectionError, FileNotFoundError) as error:
+        raise ConnectionError(
+            f"data.source={source!r} is a hub dataset, not a local path, and it is not in the local cache while "
+            f"{problem}; download it with network access (HF_HUB_OFFLINE and HF_DATASETS_OFFLINE unset), pass "
+            "a local path, or use data=shakespeare (the bundled corpus)."
+        ) from error
+
+
 # ------------------------------------------------------------------------------------------ tokenizer
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
-    """The bundled tokenizer (None) or any HF tokenizer name/path, with an eos token and a pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR if name_or_path is None else name_or_path))
+    """The bundled tokenizer (None) or any HF tokenizer name/path, with an eos token and a pad token.
+
+    A hub name is read from the local cache only, failing at once, when the hub cannot be used (offline
+    mode, or no answer within `HUB_PROBE_TIMEOUT_S`); transformers would retry for most of a minute.
+    """
+    name = str(TOKENIZER_DIR if name_or_path is None else name_or_path)
+    problem = None if is_local_source(name, "tokenizer") else hub_problem()
+    try:
+        # trust_remote_code=False: a zoo checkpoint's config.json names its bundled model code (auto_map),
+        # which a tokenizer never needs; without it transformers would ask on the terminal.
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=problem is not None, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        if problem is None:
+            raise
+        raise OSError(
+            f"tokenizer={name!r} is a hub name, not a local path, and it is not in the local cache while "
+            f"{problem}; use a local tokenizer directory (data.tokenizer=null: the bundled one), or download "
+            "it with network access (HF_HUB_OFFLINE unset)."
+        ) from error
     if tokenizer.eos_token is None:
         # Packing separates documents with eos; a tokenizer without one gets the bundled tokenizer's name.
         tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# ---------------------------------------------------------------------------------------- hub access
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+HUB_PROBE_TIMEOUT_S = 3.0
+_hub_reachable_cache: dict[tuple[str, int], bool] = {}
+
+
+def looks_like_path(name: str) -> bool:
+    """True for a name that can only be a local path: hub ids are "name" or "org/name"."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def is_local_source(name: str, what: str) -> bool:
+    """True for an existing local path, False for a hub name; a path that does not exist is an error."""
+    if Path(name).expanduser().exists():
+        return True
+    if looks_like_path(name):
+        raise FileNotFoundError(
+            f"{what}={name!r} does not exist; give an existing local path or a hub name such as "
+            "'HuggingFaceTB/SmolLM2-135M'."
+        )
+    return False
+
+
+def offline_setting() -> str | None:
+    """The environment variable that puts the Hugging Face libraries offline ("HF_HUB_OFFLINE=1"), if one does."""
+    for var in OFFLINE_VARIABLES:
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    return None
+
+
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a TCP connection within `timeout_s`.
+
+    Probed in a thread, so a name lookup that hangs is bounded too; the answer is kept per process.
+    """
+    url = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    address = (url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+    if address not in _hub_reachable_cache:
+        answer: list[bool] = []
+
+        def probe() -> None:
+            try:
+                socket.create_connection(address, timeout=timeout_s).close()
+                answer.append(True)
+            except OSError:
+                pass
+
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        _hub_reachable_cache[address] = bool(answer)
+    return _hub_reachable_cache[address]
+
+
+def hub_problem() -> str | None:
+    """Why the hub cannot be used now (for error messages), or None if it can."""
+    setting = offline_setting()
+    if setting is not None:
+        return f"{setting} is set (offline mode)"
+    if not hub_reachable():
+        host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).netloc
+        return (
+            f"{host} cannot be reached (no answer within {HUB_PROBE_TIMEOUT_S:g} s; with HF_HUB_OFFLINE=1 and "
+            "HF_DATASETS_OFFLINE=1 only the local cache is read)"
+        )
+    return None
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:

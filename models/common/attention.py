@@ -15,14 +15,28 @@ from models.common.rotary import apply_rotary_pos_emb
 
 
 def make_causal_mask(
-    attention_mask: torch.Tensor | None, q_len: int, past_len: int, device: torch.device
+    attention_mask: torch.Tensor | None,
+    q_len: int,
+    past_len: int,
+    device: torch.device,
+    batch_size: int | None = None,
 ) -> torch.Tensor | None:
     """Boolean mask [batch or 1, 1, q_len, past_len + q_len] (True = may attend), or None.
 
     None means plain causal attention that SDPA can do with `is_causal` (or no mask at all for a
-    single decode step). `attention_mask` is the usual 2-D padding mask over past + current tokens.
+    single decode step). `attention_mask` is the usual 2-D padding mask over past + current tokens,
+    [batch_size, past_len + q_len]; any other shape is an error (an all-ones mask of the wrong shape
+    would otherwise be ignored, and a partly-zero one sliced or broadcast onto the wrong tokens).
     """
     kv_len = past_len + q_len
+    if attention_mask is not None:
+        want = (attention_mask.shape[0] if batch_size is None else batch_size, kv_len)
+        if tuple(attention_mask.shape) != want:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, but this input needs {want}: "
+                f"[batch, cached + new tokens] = [{want[0]}, {past_len} + {q_len}], 1 for tokens to attend "
+                "to and 0 for padding."
+            )
     has_padding = attention_mask is not None and not bool(attention_mask.all())
     if not has_padding and (past_len == 0 or q_len == 1):
         return None

@@ -6,10 +6,13 @@ norm, LM head, loss, `generate()` -- is here once, with Hugging Face names so ch
 """
 
 import math
+import warnings
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -21,6 +24,63 @@ from models.common.rotary import RotaryEmbedding, rope_inv_freq
 # Output projections feed the residual stream; GPT-2 / Megatron scale their init by 1/sqrt(2L) so the
 # stream's variance does not grow with depth.
 RESIDUAL_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+
+# The checkpoints (config.json `model_type`) each architecture's `from_pretrained` loads. Llama, Ladder
+# and the parallel block share Llama's state-dict names, so an HF or zoo Llama converts to either
+# (`ZooLadderForCausalLM.from_pretrained(llama_dir, ladder_layers=N)`) and a Ladder back to Llama.
+# An architecture not listed loads its own checkpoints only.
+LOADS_FROM = {
+    "zoo_llama": ("zoo_llama", "llama", "zoo_ladder"),
+    "zoo_ladder": ("zoo_ladder", "llama", "zoo_llama"),
+    "zoo_parallel": ("zoo_parallel", "llama", "zoo_llama"),
+}
+# Checkpoint weights a conversion leaves unused on purpose: the parallel block has one norm per layer,
+# so a Llama's second norm (post_attention_layernorm) has no place in it.
+UNUSED_ON_CONVERSION = {
+    ("zoo_parallel", "llama"): ".post_attention_layernorm.",
+    ("zoo_parallel", "zoo_llama"): ".post_attention_layernorm.",
+}
+
+
+def _checkpoint_model_type(path, kwargs: dict) -> str | None:
+    """The `model_type` in the checkpoint's config.json, or None where there is none to read."""
+    if path is None:  # from_pretrained(None, config=..., state_dict=...)
+        return None
+    download_keys = ("cache_dir", "revision", "subfolder", "local_files_only", "token")
+    where = {k: kwargs[k] for k in download_keys if k in kwargs}
+    try:
+        config_dict, _ = PreTrainedConfig.get_config_dict(path, **where)
+    except (OSError, ValueError):
+        return None  # no config.json (a bare weights folder, say): the weight-name checks still apply
+    return config_dict.get("model_type")
+
+
+def _loader_of(model_type: str | None) -> str:
+    """The class to suggest for a checkpoint of `model_type`."""
+    from models.registry import ZOO  # filled when `models` is imported, after this module
+
+    for entry in ZOO.values():
+        if entry.config_class.model_type == model_type:
+            return f"{entry.model_class.__name__} (or AutoModelForCausalLM)"
+    if model_type == "llama":
+        return "ZooLlamaForCausalLM (or transformers' LlamaForCausalLM)"
+    return "the class of its own architecture (AutoModelForCausalLM, if transformers knows it)"
+
+
+def _unreadable_weights_message(folder: Path, error: Exception) -> str:
+    """Names the .safetensors file(s) of `folder` that do not open (truncated or corrupt)."""
+    bad = []
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError:
+            bad.append(str(file))
+    where = ", ".join(bad) if bad else f"the weights of {folder}"
+    return (
+        f"Cannot read {where} ({error}): the file is truncated or corrupt (an interrupted save or copy?); "
+        "save or download the checkpoint again."
+    )
 
 
 class ZooPreTrainedModel(PreTrainedModel):
@@ -45,21 +105,77 @@ class ZooPreTrainedModel(PreTrainedModel):
             # Non-persistent buffer: not in checkpoints, so it must be rebuilt after meta-device loading.
             init.copy_(module.inv_freq, rope_inv_freq(module.rope_parameters, module.head_dim))
 
+    def __init__(self, config, *args, **kwargs):
+        # A field assigned after the config was built (`config.ladder_layers = 7`) skipped its checks;
+        # run them again before building anything from it.
+        if hasattr(config, "validate"):
+            config.validate()
+        super().__init__(config, *args, **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """HF `from_pretrained`, but a checkpoint whose shapes do not fit the config is one clear error."""
+        """HF `from_pretrained`, but a checkpoint that does not fit this class is one clear error.
+
+        transformers only warns, and leaves random weights, when the checkpoint is another
+        architecture's (`LOADS_FROM`), when its shapes do not fit the config, or when the model has
+        weights the checkpoint lacks (or the other way round); a truncated weights file fails without
+        naming the file. `ignore_mismatched_sizes=True` gives transformers' own behaviour back.
+        """
         if kwargs.get("ignore_mismatched_sizes"):
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        path = pretrained_model_name_or_path
+        own_type = cls.config_class.model_type
+        ckpt_type = _checkpoint_model_type(path, kwargs)
+        loads = LOADS_FROM.get(own_type, (own_type,))
+        if ckpt_type is not None and ckpt_type not in loads:
+            raise ValueError(
+                f"Checkpoint {path} has model_type={ckpt_type!r} (its config.json), which {cls.__name__} "
+                f"(model_type={own_type!r}) cannot load: it loads {', '.join(map(repr, loads))} checkpoints. "
+                f"Load it with {_loader_of(ckpt_type)}."
+            )
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
-        )
+        try:
+            model, info = super().from_pretrained(
+                path, *args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs
+            )
+        except SafetensorError as error:
+            raise OSError(_unreadable_weights_message(Path(path) / kwargs.get("subfolder", ""), error)) from error
         if info["mismatched_keys"]:
             key, ckpt_shape, model_shape = sorted(info["mismatched_keys"])[0]
             raise ValueError(
                 f"Checkpoint {pretrained_model_name_or_path} does not fit {cls.__name__}'s config: {key} has shape "
                 f"{tuple(ckpt_shape)} in the checkpoint but {tuple(model_shape)} from the config "
                 f"({len(info['mismatched_keys'])} tensors differ); load it with the checkpoint's own config.json."
+            )
+        # Missing: model weights the checkpoint lacks, left randomly initialised (tied and non-persistent
+        # ones are not listed). Unexpected: checkpoint weights the model has no place for.
+        missing = sorted(info["missing_keys"])
+        unused_on_purpose = UNUSED_ON_CONVERSION.get((own_type, ckpt_type))
+        unexpected = sorted(
+            key
+            for key in info["unexpected_keys"]
+            # a causal-LM checkpoint loaded into the bare decoder trunk: the head is not part of it
+            if not (key.startswith("lm_head.") and not hasattr(model, "lm_head"))
+            and not (unused_on_purpose and unused_on_purpose in key)
+        )
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(
+                    f"{len(missing)} of the model's weights are not in it and would stay random ({missing[0]}, ...)"
+                )
+            if unexpected:
+                parts.append(f"{len(unexpected)} of its weights have no place in the model ({unexpected[0]}, ...)")
+            # Its config.json says it is ours (or convertible), so the weights file is what is wrong.
+            fix = (
+                "Save it again with save_pretrained"
+                if ckpt_type is not None
+                else "Load it with the class of the architecture it was saved from"
+            )
+            raise ValueError(
+                f"Checkpoint {path} (model_type={ckpt_type!r}) does not hold {cls.__name__}'s weights: "
+                f"{'; '.join(parts)}. {fix}, or pass ignore_mismatched_sizes=True to "
+                "load what fits and initialise the rest."
             )
         return (model, info) if want_info else model
 
@@ -97,6 +213,50 @@ class ZooDecoderModel(ZooPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    def _check_inputs(self, input_ids, inputs_embeds, past_len: int) -> None:
+        """One clear error for inputs that would fail deep inside the forward, or silently misbehave.
+
+        Shape checks are free. The token-id range needs the ids' values, which on CUDA means a sync:
+        it runs on prefill and training steps but not on single-token decode steps (those ids come
+        from the model's own output) nor under torch.compile (it would break the graph).
+        """
+        name, x, dims = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
+        if x.dim() != dims:
+            want = "[batch, seq_len]" if dims == 2 else "[batch, seq_len, hidden_size]"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; it must be {want} (x[None] adds a batch dimension).")
+        batch, q_len = x.shape[:2]
+        if batch == 0 or q_len == 0:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, an empty batch or sequence; pass at least one sequence "
+                "of at least one token."
+            )
+        compiling = torch.compiler.is_compiling()
+        if input_ids is not None and not compiling and not (past_len > 0 and q_len == 1):
+            lowest, highest = torch.aminmax(input_ids)
+            lowest, highest, vocab = int(lowest), int(highest), self.config.vocab_size
+            if highest >= vocab:
+                raise ValueError(
+                    f"input_ids holds token id {highest}, but vocab_size={vocab} allows ids 0..{vocab - 1}; "
+                    f"encode with the model's own tokenizer, or use a model with vocab_size >= {highest + 1}."
+                )
+            if lowest < 0:
+                raise ValueError(
+                    f"input_ids holds token id {lowest}, but ids must be in 0..{vocab - 1} (vocab_size={vocab}); "
+                    "a negative id is usually padding or a label's ignore index (-100): pass the pad token's id."
+                )
+        # RoPE extrapolates past max_position_embeddings without failing, but the model was not trained
+        # there: say so once per model, not on every decode step.
+        total = past_len + q_len
+        limit = self.config.max_position_embeddings
+        if total > limit and not compiling and not getattr(self, "_warned_long_input", False):
+            self._warned_long_input = True
+            warnings.warn(
+                f"The input reaches position {total} ({past_len} cached + {q_len} new tokens), beyond "
+                f"max_position_embeddings={limit}; outputs past position {limit} are extrapolated. Keep "
+                f"inputs within {limit} tokens (warned once per model).",
+                stacklevel=3,
+            )
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -109,16 +269,19 @@ class ZooDecoderModel(ZooPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past_len = cache.get_seq_length() if cache is not None else 0
+        self._check_inputs(input_ids, inputs_embeds, past_len)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
         q_len = inputs_embeds.shape[1]
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + q_len, device=inputs_embeds.device)[None]
-        mask = make_causal_mask(attention_mask, q_len, past_len, inputs_embeds.device)
+        mask = make_causal_mask(
+            attention_mask, q_len, past_len, inputs_embeds.device, batch_size=inputs_embeds.shape[0]
+        )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = self.run_layers(inputs_embeds, position_embeddings, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)

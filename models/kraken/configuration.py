@@ -40,8 +40,9 @@ class ZooKrakenConfig(ZooLlamaConfig):
 
     kraken_degree: int = 2
 
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
+    def validate(self) -> None:
+        # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
+        super().validate()
         k = self.kraken_degree
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(

@@ -14,9 +14,15 @@ class ZooLadderConfig(ZooLlamaConfig):
 
     ladder_layers: int | list[int] = 0
 
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
+    def validate(self) -> None:
+        # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
+        super().validate()
         n = self.num_hidden_layers
+        if isinstance(self.ladder_layers, bool) or not isinstance(self.ladder_layers, (int, list, tuple)):
+            raise ValueError(
+                f"ladder_layers={self.ladder_layers!r} must be an int in 0..{n} (the number of last layers "
+                f"to ladder) or a list of layer indices in 0..{n - 1}."
+            )
         if isinstance(self.ladder_layers, int):
             if not 0 <= self.ladder_layers <= n:
                 raise ValueError(
@@ -24,7 +30,7 @@ class ZooLadderConfig(ZooLlamaConfig):
                     f"layers to ladder) or a list of layer indices in 0..{n - 1}."
                 )
         else:
-            bad = [i for i in self.ladder_layers if not (isinstance(i, int) and 0 <= i < n)]
+            bad = [i for i in self.ladder_layers if isinstance(i, bool) or not (isinstance(i, int) and 0 <= i < n)]
             if bad or len(set(self.ladder_layers)) != len(self.ladder_layers):
                 raise ValueError(
                     f"ladder_layers={list(self.ladder_layers)} must list distinct layer indices in 0..{n - 1}."

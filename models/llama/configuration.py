@@ -32,7 +32,25 @@ class ZooLlamaConfig(LlamaConfig):
         # A config read from another architecture's config.json (an HF Llama, say) keeps that file's
         # model_type as an instance attribute; saved as is, it would reload as the other architecture.
         self.model_type = type(self).model_type
+        self.validate()
+
+    def validate(self) -> None:
+        """transformers' checks, then the zoo's; subclasses add theirs (calling super first).
+
+        One method for every path a config takes: `__post_init__` runs it, and so do `from_dict`
+        (transformers sets `from_pretrained(..., field=value)` overrides AFTER `__post_init__`), the
+        models' `__init__` (a field changed by assignment) and `save_pretrained`.
+        """
+        super().validate()
         check_heads(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        out = super().from_dict(config_dict, **kwargs)
+        # `config` or `(config, unused_kwargs)`, depending on `return_unused_kwargs`.
+        config = out[0] if isinstance(out, tuple) else out
+        config.validate()
+        return out
 
     def num_parameters_formula(self) -> int:
         """Parameter count from the shapes alone (the shared harness checks the model against it)."""

@@ -1,0 +1,98 @@
+"""Saving zoo checkpoints: the one function every writer of a checkpoint folder calls.
+
+`save_checkpoint(model, tokenizer, directory)` writes a folder that
+
+- carries the tokenizer's special tokens: config.json and generation_config.json get the tokenizer's
+  bos / eos / pad ids (a fresh config has Llama's defaults, bos 1 and eos 2, which in the bundled
+  tokenizer are `<|pad|>` and "!"; `generate()` would then stop at "!" and never at end of text);
+- loads without this package: the model's code is written beside the weights and config.json names it
+  in `auto_map` (models/export.py), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`
+  works in plain transformers, and `from_pretrained(dir)` after `import models` as before.
+
+`apply_special_tokens(model_or_config, tokenizer)` is the first step alone, for a model (or config) in
+memory: called where a model is built next to its tokenizer, it makes `generate()` stop at the
+tokenizer's eos before anything is saved.
+"""
+
+from pathlib import Path
+
+from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from models.export import build_remote_code, write_remote_code
+from models.registry import ZOO
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
+    """{bos,eos,pad}_token_id of `tokenizer` (None where it has no such token)."""
+    return {name: getattr(tokenizer, name) for name in SPECIAL_TOKENS}
+
+
+def apply_special_tokens(
+    model_or_config: PreTrainedModel | PreTrainedConfig, tokenizer: PreTrainedTokenizerBase
+):
+    """Set the bos / eos / pad ids of a config, or of a model's config and generation config, to the
+    tokenizer's; returns its argument.
+
+    A token the tokenizer lacks becomes None rather than keeping a default id that means some other
+    token in this vocabulary. Given a config before the model is built, pad also becomes the
+    embedding's `padding_idx` (as in Hugging Face models: that row gets no gradient); on a built
+    model it changes only what `generate()` and saved files use.
+    """
+    ids = special_token_ids(tokenizer)
+    if isinstance(model_or_config, PreTrainedConfig):
+        configs = [model_or_config]
+    elif isinstance(model_or_config, PreTrainedModel):
+        configs = [model_or_config.config]
+        if getattr(model_or_config, "generation_config", None) is not None:
+            configs.append(model_or_config.generation_config)
+    else:
+        raise TypeError(
+            f"apply_special_tokens takes a transformers model or config, not {type(model_or_config).__name__}."
+        )
+    vocab_size = getattr(configs[0], "vocab_size", None)
+    too_big = {
+        name: i for name, i in ids.items() if i is not None and vocab_size is not None and i >= vocab_size
+    }
+    if too_big:
+        raise ValueError(
+            f"The tokenizer's special tokens {too_big} do not fit the model's vocab_size={vocab_size}; "
+            "build the model with vocab_size=len(tokenizer)."
+        )
+    for config in configs:
+        for name, value in ids.items():
+            setattr(config, name, value)
+    return model_or_config
+
+
+def save_checkpoint(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path
+) -> Path:
+    """Save `model` (unsharded) and `tokenizer` to `directory` as a checkpoint that loads anywhere.
+
+    The model's special token ids are set to the tokenizer's (in memory too, so that later `generate()`
+    calls stop at the tokenizer's eos), then the weights, configs, tokenizer, the model's self-contained
+    code with `auto_map`, and a README on how to load it are written. Returns the directory.
+    """
+    directory = Path(directory)
+    # Build the code first: an architecture that cannot be exported fails before anything is written.
+    code = build_remote_code(model)
+    apply_special_tokens(model, tokenizer)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    write_remote_code(
+        code, directory, architecture=_architecture_name(model), class_name=type(model).__name__
+    )
+    return directory
+
+
+def _architecture_name(model: PreTrainedModel) -> str:
+    """The zoo name of the model's architecture (e.g. "ladder"), else its model_type."""
+    for name, entry in ZOO.items():
+        if entry.model_class is type(model):
+            return name
+    return model.config.model_type
+
+
+__all__ = ["SPECIAL_TOKENS", "apply_special_tokens", "save_checkpoint", "special_token_ids"]
