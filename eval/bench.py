@@ -14,10 +14,15 @@ honestly"):
   processes also time `upper_bound_real` (all ranks running, no collectives), its own upper bound.
 
 Repeats are interleaved across architectures (repeat r of every arch before repeat r+1) so slow drift
-in a shared machine's load hits every architecture alike. Per row: prefill ms, decode tokens/s,
-communication calls/bytes per forward, exposed communication (simulated), speed-up over the baseline
-in the same variant and the hidden fraction (T_base - T_arch) / (T_base - T_upper_bound).
-Outputs: results.json, README.md (tables) and PNG plots under the run directory, and a W&B run.
+in a shared machine's load hits every architecture alike. Per row (one architecture at one set of mesh
+degrees, `{"tp": 2}`, one variant and batch size): prefill ms, decode tokens/s, communication
+calls/bytes per forward, exposed communication (simulated). `eval.bench_report` adds the speed-up over
+the baseline and the hidden fraction (T_base - T_arch) / (T_base - T_upper_bound) and writes
+results.json, README.md (tables) and PNG plots under the run directory, and a W&B run.
+
+Nothing here names an architecture: how the bench shape becomes an architecture's config
+(`bench_config`) and which degrees fit it (`check_layout`) come from its registry entry
+(models/<name>/entry.py and sharding.py).
 """
 
 import json
@@ -38,48 +43,35 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 import parallel
-from eval import report
+from eval import bench_report
 from models.common import RMSNorm, SwiGLUMLP
-from models.kraken import ZooKrakenConfig
 from parallel import comm
 from parallel.link import LINK_PRESETS
-from parallel.tp import check_divisible
-
-SHAPE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-)
-
 
 # --- setup ------------------------------------------------------------------------------------
 
 
-def model_config(cfg: dict, arch: str, tp: int):
-    """The config of `arch` at the benchmark shape (for Kraken: k = the TP degree, matched parameters)."""
-    kwargs = {k: cfg["bench_shape"][k] for k in SHAPE_FIELDS}
-    if arch == "ladder":
-        n = cfg["ladder_layers"]
-        kwargs["ladder_layers"] = kwargs["num_hidden_layers"] if n is None else n
-    if arch == "kraken":
-        # Kraken runs one stream per rank, so its degree is the TP degree; its stream width is matched
-        # to the llama of this shape's parameter count (models/kraken/configuration.py).
-        return ZooKrakenConfig.from_llama(models.ZOO["llama"].config_class(**kwargs), tp)
-    return models.ZOO[arch].config_class(**kwargs)
+def degree_points(tps) -> list[dict[str, int]]:
+    """The mesh degrees measured: one {"tp": P} per TP degree of the settings."""
+    return [{"tp": p} for p in tps]
 
 
-def build_sharded(arch: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype):
+def model_config(cfg: dict, arch: str, degrees: dict[str, int]):
+    """The config of `arch` at the bench shape and `degrees`, as its own folder builds it (its registry
+    entry's `bench_config`), with `config_overrides[arch]` on top."""
+    shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
+    overrides = (cfg.get("config_overrides") or {}).get(arch) or {}
+    return models.get(arch).bench_config(shape, degrees, **overrides)
+
+
+def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: torch.device, dtype: torch.dtype):
     """A random `arch` model holding only this rank's shards, materialised on `device`.
 
     Built on the meta device and sharded there, so a rank never allocates the full model (a 70B shape
     at TP 8 fits one GPU's share); weights are then initialised with the model's own init.
     """
     with torch.device("meta"):
-        model = models.ZOO[arch].model_class(model_config(cfg, arch, mesh.size(mesh.mesh_dim_names.index("tp"))))
+        model = models.get(arch).model_class(model_config(cfg, arch, degrees))
     parallel.parallelize(model, mesh)
     model.to(dtype)
     model.to_empty(device=device)
@@ -99,16 +91,25 @@ def build_sharded(arch: str, cfg: dict, mesh, device: torch.device, dtype: torch
     return model
 
 
-def check_shapes(cfg: dict) -> None:
-    """Fail before measuring anything if a TP degree does not fit the shape."""
-    shape = cfg["bench_shape"]
-    sizes = {k: shape[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
-    for p in sorted(set(cfg["tp"]) | set(cfg["real"]["tp"] if cfg["real"]["enabled"] else [])):
-        if not isinstance(p, int) or p < 2:
+def check_settings(cfg: dict) -> None:
+    """Fail before measuring anything if an architecture cannot be built at the shape and every degree
+    measured (each architecture's own `check_layout`), or a setting is out of range."""
+    tps = sorted(set(cfg["tp"]) | set(cfg["real"]["tp"] if cfg["real"]["enabled"] else []))
+    for p in tps:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 2:
             raise ValueError(f"TP degree {p!r} in the bench must be an integer >= 2 (TP 1 has no communication).")
-        check_divisible(sizes, p)
+    for name in cfg.get("config_overrides") or {}:
+        if name not in cfg["archs"]:
+            raise ValueError(f"config_overrides names {name!r}, which is not in archs={list(cfg['archs'])}.")
     for arch in cfg["archs"]:
-        models.get(arch)
+        entry = models.get(arch)
+        if entry.bench_config is None:
+            raise ValueError(
+                f"Architecture {arch!r} declares no bench_config (models/<name>/entry.py, passed to "
+                "models.register), so the bench cannot build it at a shape; leave it out of archs."
+            )
+        for degrees in degree_points(tps):
+            entry.check_layout(model_config(cfg, arch, degrees), degrees)
     if cfg["baseline"] not in cfg["archs"]:
         raise ValueError(f"baseline={cfg['baseline']!r} must be one of archs={list(cfg['archs'])}.")
     if cfg["new_tokens"] < 2:
@@ -285,23 +286,24 @@ def summarize(runs: list[dict], batch: int, new_tokens: int) -> dict:
 # --- the variants -----------------------------------------------------------------------------
 
 
-def run_single_process(cfg: dict, p: int, device, dtype) -> list[dict]:
-    """Simulated-link and upper-bound rows for TP degree p, one process playing rank 0."""
+def run_single_process(cfg: dict, degrees: dict[str, int], device, dtype) -> list[dict]:
+    """Simulated-link and upper-bound rows at `degrees`, one process playing rank 0."""
     rows = []
-    mesh = parallel.init_mesh(tp=p, fake=True)
+    p = bench_report.ranks(degrees)
+    mesh = parallel.init_mesh(**degrees, fake=True)
     try:
-        built = {arch: build_sharded(arch, cfg, mesh, device, dtype) for arch in cfg["archs"]}
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in cfg["archs"]}
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         for batch in cfg["batch_sizes"]:
             if cfg["simulated"]["enabled"]:
                 for link in cfg["simulated"]["links"]:
                     with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
                         runs = measure_interleaved(built, cfg, batch, lambda c=clock: ClockTimer(c), device)
-                    rows += _rows(runs, cfg, p, batch, "simulated", link)
+                    rows += _rows(runs, cfg, degrees, batch, "simulated", link)
             if cfg["upper_bound"]["enabled"]:
                 with comm.use_mode("none"):
                     runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device)
-                rows += _rows(runs, cfg, p, batch, "upper_bound", None)
+                rows += _rows(runs, cfg, degrees, batch, "upper_bound", None)
         del built
     finally:
         if dist.is_initialized():
@@ -309,10 +311,10 @@ def run_single_process(cfg: dict, p: int, device, dtype) -> list[dict]:
     return rows
 
 
-def _rows(runs, cfg, p, batch, variant, link) -> list[dict]:
+def _rows(runs, cfg, degrees, batch, variant, link) -> list[dict]:
     out = []
     for arch, arch_runs in runs.items():
-        row = {"arch": arch, "tp": p, "variant": variant, "link": link, "batch": batch}
+        row = {"arch": arch, "degrees": dict(degrees), "variant": variant, "link": link, "batch": batch}
         row.update(summarize(arch_runs, batch, cfg["new_tokens"]))
         out.append(row)
     return out
@@ -324,8 +326,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _real_rank(rank: int, world_size: int, port: int, cfg: dict, out_path: str) -> None:
+def _real_rank(rank: int, degrees: dict[str, int], port: int, cfg: dict, out_path: str) -> None:
     """One rank of the real launch: real collectives, then no collectives, in the same processes."""
+    world_size = bench_report.ranks(degrees)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
@@ -337,33 +340,35 @@ def _real_rank(rank: int, world_size: int, port: int, cfg: dict, out_path: str) 
         torch.set_num_threads(threads)
     backend = cfg["real"]["backend"]
     try:
-        mesh = parallel.init_mesh(tp=world_size, backend=None if backend == "auto" else backend)
-        built = {arch: build_sharded(arch, cfg, mesh, device, dtype) for arch in cfg["archs"]}
+        mesh = parallel.init_mesh(**degrees, backend=None if backend == "auto" else backend)
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in cfg["archs"]}
         rows = []
         for batch in cfg["batch_sizes"]:
             with comm.use_mode("real"):
                 runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, world_size, batch, "real", None)
+            rows += _rows(runs, cfg, degrees, batch, "real", None)
             with comm.use_mode("none"):
                 runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, world_size, batch, "upper_bound_real", None)
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None)
         for row in rows:
             row["threads_per_rank"] = torch.get_num_threads()
             row["backend"] = dist.get_backend()
         if rank == 0:
-            report.write_json(out_path, rows)
+            Path(out_path).write_text(json.dumps(rows))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_real(cfg: dict, p: int) -> list[dict]:
-    """Spawn p ranks on 127.0.0.1; rank 0's rows come back through a file. A rank's error is raised here;
-    ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that is an error."""
+def run_real(cfg: dict, degrees: dict[str, int]) -> list[dict]:
+    """Spawn one process per rank on 127.0.0.1; rank 0's rows come back through a file. A rank's error is
+    raised here; ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that
+    is an error."""
+    p = bench_report.ranks(degrees)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
         ctx = mp.start_processes(
-            _real_rank, args=(p, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
+            _real_rank, args=(degrees, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + cfg["real"]["timeout_s"]
         while not ctx.join(timeout=1.0):
@@ -371,234 +376,14 @@ def run_real(cfg: dict, p: int) -> list[dict]:
                 for proc in ctx.processes:
                     if proc.is_alive():
                         proc.terminate()
-                raise TimeoutError(f"The real TP {p} ranks ran past real.timeout_s={cfg['real']['timeout_s']} s.")
+                raise TimeoutError(
+                    f"The real {bench_report.degrees_label(degrees)} ranks ran past "
+                    f"real.timeout_s={cfg['real']['timeout_s']} s."
+                )
         return json.loads(Path(out_path).read_text())
 
 
-# --- derived numbers --------------------------------------------------------------------------
-
-
-def hidden_fraction(t_base: float, t_arch: float, t_upper: float, min_comm_fraction: float = 0.01) -> float | None:
-    """(T_base - T_arch) / (T_base - T_upper): the share of the baseline's communication overhead that
-    the architecture removes. None when the baseline has (almost) no overhead to hide: a denominator
-    below `min_comm_fraction` of T_base is noise, not communication."""
-    gap = t_base - t_upper
-    if gap <= min_comm_fraction * t_base:
-        return None
-    return (t_base - t_arch) / gap
-
-
-UPPER_BOUND_OF = {"simulated": "upper_bound", "real": "upper_bound_real"}
-
-
-def add_comparisons(rows: list[dict], baseline: str, min_comm_fraction: float) -> None:
-    """Speed-up over the baseline arch in the same variant, and hidden fractions, added in place."""
-    index = {(r["arch"], r["tp"], r["variant"], r["link"], r["batch"]): r for r in rows}
-    for r in rows:
-        base = index.get((baseline, r["tp"], r["variant"], r["link"], r["batch"]))
-        r["speedup_prefill"] = base["prefill_ms"] / r["prefill_ms"] if base else None
-        r["speedup_decode"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
-        r["hidden_fraction_prefill"] = r["hidden_fraction_decode"] = None
-        r["exposed_hidden_fraction_decode"] = None
-        upper = index.get((baseline, r["tp"], UPPER_BOUND_OF.get(r["variant"]), None, r["batch"]))
-        if base is None or upper is None or r["arch"] == baseline:
-            continue
-        r["hidden_fraction_prefill"] = hidden_fraction(
-            base["prefill_ms"], r["prefill_ms"], upper["prefill_ms"], min_comm_fraction
-        )
-        r["hidden_fraction_decode"] = hidden_fraction(
-            base["decode_ms_per_step"], r["decode_ms_per_step"], upper["decode_ms_per_step"], min_comm_fraction
-        )
-        # Simulated only: the same question asked of the virtual clock's exposed communication, which
-        # does not depend on compute-time noise between architectures.
-        if r.get("decode_exposed_ms") is not None and base.get("decode_exposed_ms"):
-            r["exposed_hidden_fraction_decode"] = 1 - r["decode_exposed_ms"] / base["decode_exposed_ms"]
-
-
-# --- reports ----------------------------------------------------------------------------------
-
-TABLE_COLUMNS = [
-    ("arch", "arch"),
-    ("tp", "TP"),
-    ("batch", "batch"),
-    ("prefill_ms", "prefill ms"),
-    ("prefill_spread", "prefill min-max"),
-    ("decode_tok_s", "decode tok/s"),
-    ("decode_spread", "decode tok/s min-max"),
-    ("speedup_decode", "decode speed-up"),
-    ("speedup_prefill", "prefill speed-up"),
-    ("hidden_fraction_decode", "hidden (decode)"),
-    ("hidden_fraction_prefill", "hidden (prefill)"),
-    ("decode_comm_calls", "calls/step"),
-    ("decode_comm_bytes", "bytes/step"),
-    ("prefill_comm_bytes", "bytes/prefill"),
-]
-SIMULATED_COLUMNS = [
-    ("decode_exposed_ms", "exposed ms/step"),
-    ("decode_comm_busy_ms", "link busy ms/step"),
-    ("decode_exposed_share", "exposed / link busy"),
-    ("exposed_hidden_fraction_decode", "hidden (exposed, decode)"),
-]
-
-
-def variant_key(row: dict) -> str:
-    return f"{row['variant']}:{row['link']}" if row["link"] else row["variant"]
-
-
-def _display(rows: list[dict]) -> list[dict]:
-    shown = []
-    for r in rows:
-        d = dict(r)
-        d["prefill_spread"] = f"{r['prefill_ms_min']:.4g}-{r['prefill_ms_max']:.4g}"
-        d["decode_spread"] = f"{r['decode_tok_s_min']:.4g}-{r['decode_tok_s_max']:.4g}"
-        shown.append(d)
-    return shown
-
-
-def make_plots(rows: list[dict], cfg: dict, out_dir: Path) -> dict[str, Path]:
-    """Decode speed-up vs batch and vs TP degree, hidden fraction per architecture vs batch; one panel per
-    variant (upper-bound variants are the reference, not plotted)."""
-    variants = [v for v in dict.fromkeys(variant_key(r) for r in rows) if not v.startswith("upper_bound")]
-    archs = [a for a in cfg["archs"] if a != cfg["baseline"]]
-
-    def panels(key, x_axis, only=None):
-        out = {}
-        for v in variants:
-            if only and not v.startswith(only):
-                continue
-            sel = [r for r in rows if variant_key(r) == v]
-            tps, batches = sorted({r["tp"] for r in sel}), sorted({r["batch"] for r in sel})
-            if x_axis == "batch":
-                out[v] = {f"{a} TP{p}": (batches, [_pick(sel, a, p, b, key) for b in batches]) for a in archs for p in tps}
-            else:
-                out[v] = {f"{a} b{b}": (tps, [_pick(sel, a, p, b, key) for p in tps]) for a in archs for b in batches}
-        return out
-
-    base = cfg["baseline"]
-    plots = {
-        "speedup_vs_batch": (panels("speedup_decode", "batch"), "batch size", f"decode speed-up over {base}"),
-        "speedup_vs_tp": (panels("speedup_decode", "tp"), "TP degree", f"decode speed-up over {base}"),
-        "hidden_fraction": (
-            panels("hidden_fraction_decode", "batch"),
-            "batch size",
-            f"hidden fraction (decode) vs {base}",
-        ),
-        "hidden_fraction_exposed": (
-            panels("exposed_hidden_fraction_decode", "batch", only="simulated"),
-            "batch size",
-            "hidden fraction of exposed comm (decode)",
-        ),
-    }
-    images = {}
-    for name, (data, xlabel, ylabel) in plots.items():
-        if data:
-            images[name] = report.plot_lines(
-                out_dir / f"{name}.png", data, xlabel=xlabel, ylabel=ylabel, hline=1.0, logx=True
-            )
-    return images
-
-
-def _pick(rows, arch, tp, batch, key):
-    for r in rows:
-        if r["arch"] == arch and r["tp"] == tp and r["batch"] == batch:
-            return r.get(key)
-    return None
-
-
-def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
-    cfg, hw, rows = results["settings"], results["hardware"], results["rows"]
-    lines = [
-        f"# Speed benchmark: {cfg['bench_shape']['name']} shape",
-        "",
-        f"`{results['command'] or 'eval.bench.run_bench(...)'}`",
-        "",
-        f"Architectures {', '.join(cfg['archs'])} (baseline `{cfg['baseline']}`), TP {cfg['tp']}, "
-        f"batch {cfg['batch_sizes']}, prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} generated "
-        f"({cfg['new_tokens'] - 1} decode steps), {cfg['warmup']} warm-up + {cfg['repeats']} timed repeats "
-        f"(median, min-max), dtype {results['dtype']}, compile={cfg['compile']}.",
-        "",
-        f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
-        f"{hw['load_average_1m']:.2f} at start), torch {hw['torch']}, transformers {hw['transformers']}.",
-        "",
-        "- **decode tok/s** = batch x decode steps / decode time; **prefill ms** = time to first token.",
-        f"- **speed-up** = the architecture over `{cfg['baseline']}` in the same variant, TP and batch.",
-        "- **hidden** = (T_base - T_arch) / (T_base - T_upper_bound), T = prefill time or time per decode "
-        f"step, T_upper_bound = `{cfg['baseline']}` without collectives (`upper_bound` for simulated rows, "
-        "`upper_bound_real` for real rows); n/a when T_base - T_upper_bound is below "
-        f"{cfg['min_comm_fraction']:.0%} of T_base.",
-        "- **hidden (exposed)** (simulated only) = 1 - exposed_arch / exposed_base on the virtual clock: "
-        "the same question without compute-time noise between architectures.",
-        "- **exposed / link busy** (simulated only): the share of the link's time that was not covered by compute. "
-        f"`{cfg['baseline']}` waits every all-reduce at once, so its share should be 1: a lower value is Python "
-        "time between issuing a collective and waiting for it that the virtual clock counted as compute.",
-        "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
-        "",
-    ]
-    for note in results["notes"]:
-        lines.append(f"> {note}")
-        lines.append("")
-    for v in dict.fromkeys(variant_key(r) for r in rows):
-        sel = [r for r in rows if variant_key(r) == v]
-        cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
-        lines += [f"## {v}", "", report.write_markdown_table(_display(sel), cols)]
-    lines += ["## Link presets", ""]
-    lines.append(
-        report.write_markdown_table(
-            results["links"], [("name", "preset"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
-        )
-    )
-    for name, path in images.items():
-        lines += [f"![{name}]({path.name})", ""]
-    if results["skipped"]:
-        lines += ["## Skipped", ""] + [f"- {s}" for s in results["skipped"]] + [""]
-    path = out_dir / "README.md"
-    path.write_text("\n".join(lines))
-    return path
-
-
-def notes_for(cfg: dict, device: torch.device, hw: dict) -> list[str]:
-    notes = [
-        "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
-        "they show what each schedule hides on that link, not what this machine would do with P devices."
-    ]
-    if cfg["real"]["enabled"] and device.type == "cpu" and cfg["real"]["tp"]:
-        p, cores, threads = max(cfg["real"]["tp"]), hw["cpu_cores"], hw["torch_threads"]
-        if cores < p * (threads + 1):
-            notes.append(
-                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores. "
-                "gloo's communication thread has no free core here, so an asynchronous all-reduce cannot run "
-                "while the next sub-block computes: these rows measure gloo's cost on this box, not what an "
-                "architecture can hide, and claim nothing about overlap."
-            )
-        else:
-            notes.append(
-                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores, "
-                "leaving a core per rank for gloo's communication thread; gloo on CPU is still no model of NCCL."
-            )
-    if hw["load_average_1m"] > 0.5 * hw["cpu_cores"]:
-        notes.append(
-            f"The machine was shared (load average {hw['load_average_1m']:.2f} on {hw['cpu_cores']} cores at "
-            "the start): timings are noisy; compare the min-max spreads before reading small differences."
-        )
-    return notes
-
-
-def clock_note(rows: list[dict], baseline: str) -> str | None:
-    """A warning when the virtual clock let the baseline hide communication it waits for at once."""
-    shares = [
-        r["decode_exposed_share"]
-        for r in rows
-        if r["arch"] == baseline and r["variant"] == "simulated" and r.get("decode_exposed_share") is not None
-    ]
-    if not shares or min(shares) >= 0.9:
-        return None
-    return (
-        f"On the virtual clock `{baseline}` left only {min(shares):.0%}-{max(shares):.0%} of its link time exposed "
-        "(decode), though it waits for every all-reduce at once (should be 100%): the clock counted the Python "
-        "time between issuing a collective and waiting for it as compute, which covers short transfers. The "
-        "simulated rows understate the baseline's communication cost, so their speed-ups and hidden fractions "
-        "are too small (or n/a)."
-    )
+# --- the app ---------------------------------------------------------------------------------
 
 
 def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:
@@ -607,7 +392,7 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
     # real.tp auto: TP 2 only on CPU (every rank needs cores of its own), every TP degree on GPUs.
     if cfg["real"]["tp"] == "auto":
         cfg = {**cfg, "real": {**cfg["real"], "tp": [2] if device.type == "cpu" else list(cfg["tp"])}}
-    check_shapes(cfg)
+    check_settings(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = cpu_threads(cfg)
     if threads:
@@ -615,53 +400,42 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
     hw = hardware_info(device)
     rows, skipped = [], []
     started = time.perf_counter()
-    for p in cfg["tp"]:
+    for degrees in degree_points(cfg["tp"]):
         if cfg["simulated"]["enabled"] or cfg["upper_bound"]["enabled"]:
-            rows += run_single_process(cfg, p, device, dtype)
-            print(f"[bench] TP {p}: simulated / upper bound done ({time.perf_counter() - started:.0f} s)", flush=True)
+            rows += run_single_process(cfg, degrees, device, dtype)
+            print(
+                f"[bench] {bench_report.degrees_label(degrees)}: simulated / upper bound done "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     if cfg["real"]["enabled"]:
-        for p in cfg["real"]["tp"]:
+        for degrees in degree_points(cfg["real"]["tp"]):
+            p, label = bench_report.ranks(degrees), bench_report.degrees_label(degrees)
             if device.type == "cuda" and torch.cuda.device_count() < p:
-                skipped.append(f"real TP {p}: needs {p} GPUs, this machine has {torch.cuda.device_count()}.")
+                skipped.append(f"real {label}: needs {p} GPUs, this machine has {torch.cuda.device_count()}.")
                 continue
-            rows += run_real(cfg, p)
-            print(f"[bench] TP {p}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
-    add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
+            rows += run_real(cfg, degrees)
+            print(f"[bench] {label}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
+    bench_report.add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
+    clock_note = bench_report.clock_note(rows, cfg["baseline"])
     results = {
         "command": command,
         "settings": cfg,
+        "degrees": degree_points(cfg["tp"]),
         "hardware": hw,
         "dtype": str(dtype).removeprefix("torch."),
         "links": [
             {"name": k, "alpha_us": v.alpha_s * 1e6, "beta_GBps": v.beta_Bps / 1e9, "note": v.note}
             for k, v in LINK_PRESETS.items()
         ],
-        "notes": notes_for(cfg, device, hw) + [n for n in [clock_note(rows, cfg["baseline"])] if n],
+        "notes": bench_report.notes_for(cfg, device.type, hw) + ([clock_note] if clock_note else []),
         "skipped": skipped,
         "elapsed_s": time.perf_counter() - started,
         "rows": rows,
     }
-    report.write_json(out_dir / "results.json", results)
-    images = make_plots(rows, cfg, out_dir)
-    write_readme(results, images, out_dir)
+    images = bench_report.write_files(results, out_dir)
     if wandb_cfg:
-        columns = [k for k, _ in TABLE_COLUMNS + SIMULATED_COLUMNS if k not in ("prefill_spread", "decode_spread")]
-        columns = ["variant", "link"] + columns
-        summary = {}
-        for r in rows:
-            key = f"{r['arch']}/tp{r['tp']}/{variant_key(r)}/b{r['batch']}"
-            for m in ("decode_tok_s", "prefill_ms", "speedup_decode", "hidden_fraction_decode"):
-                summary[f"{key}/{m}"] = r[m]
-        report.log_to_wandb(
-            out_dir,
-            project=wandb_cfg.get("project", "overlap-zoo"),
-            name=wandb_cfg.get("name", "bench"),
-            tags=wandb_cfg.get("tags") or [],
-            config={k: v for k, v in results.items() if k in ("settings", "hardware", "dtype", "links")},
-            summary=summary,
-            tables={"bench/results": (columns, rows)},
-            images={f"bench/{k}": v for k, v in images.items()},
-        )
+        bench_report.log_to_wandb(results, images, out_dir, wandb_cfg)
     return results
 
 

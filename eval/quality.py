@@ -5,8 +5,9 @@ A Hydra app over `conf/quality.yaml`:
 1. loads the model: a `save_pretrained` folder (`checkpoint=outputs/pretrain/<time>/hf`) or, with
    `checkpoint=null`, a randomly initialised `model.name` with `model.config` (the sanity baseline:
    chance accuracy, perplexity about the vocabulary size);
-2. measures the validation perplexity on the bundled corpus: `eval.perplexity.evaluate_loss` over
-   `LMDataModule(...).val_dataloader()`, token-weighted over packed blocks of `perplexity.seq_len`;
+2. measures the validation perplexity on the bundled corpus: `train.metrics.evaluate_loss` (the loss the
+   trainer validates with) over `LMDataModule(...).val_dataloader()`, token-weighted over packed blocks
+   of `perplexity.seq_len`;
 3. runs lm-eval's `simple_evaluate` through `eval.lm_eval_adapter.ZooLM` on the bundled offline tasks
    (`eval/tasks`) and on `tasks.hub` tasks by name; a hub task is recorded as "skipped: offline" when
    the Hugging Face Hub cannot be reached, and as "error: ..." when it fails to load for another
@@ -33,9 +34,9 @@ from transformers import AutoModelForCausalLM
 import models
 from eval import report
 from eval.lm_eval_adapter import ZooLM, has_tokenizer, resolve_device
-from eval.perplexity import evaluate_loss
 from eval.tasks import TASKS_DIR
 from train.data import LMDataModule, load_tokenizer
+from train.metrics import evaluate_loss
 
 HUB_HOST = "huggingface.co"
 TABLE_COLUMNS = [

@@ -1,11 +1,12 @@
 """The zoo tour: train, convert, evaluate and bench every architecture, then write one report.
 
-    python -m eval.tour            # what `make demo` runs (about 10-15 minutes on 2 CPU cores)
+    python -m eval.tour                          # what `make demo` runs (about 8-10 minutes on 2 CPU cores)
+    python -m eval.tour report_dir=reports/demo  # ... and rewrite the committed example report
 
 Each step is the zoo's own entry point called in-process with its Hydra config (pretrain, convert,
 quality, bench), so the tour shows exactly what those commands do. The report (`report_dir`,
-default reports/demo/README.md) puts quality (validation perplexity, bundled lm-eval tasks, loss
-curves) beside speed (simulated-link and real-gloo bench) for every architecture.
+default `<run dir>/report/README.md`, under outputs/) puts quality (validation perplexity, bundled
+lm-eval tasks, loss curves) beside speed (simulated-link and real-gloo bench) for every architecture.
 """
 
 import shutil
@@ -16,7 +17,7 @@ import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from eval import report
+from eval import bench_report, report
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
@@ -99,33 +100,36 @@ def _metric(tasks: dict, task: str, metric: str):
 
 
 def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
-    rows = []
+    keyed = []
     for r in bench["rows"]:
         if r["arch"] == bench["settings"]["baseline"] or r["variant"] not in ("simulated", "real"):
             continue
-        rows.append({
+        row = {
             "arch": r["arch"],
             "variant": r["variant"] + (f":{r['link']}" if r.get("link") else ""),
-            "TP": r["tp"],
+            "degrees": bench_report.degrees_label(r["degrees"]),
             "batch": r["batch"],
             "prefill speed-up": r["speedup_prefill"],
             "decode speed-up": r["speedup_decode"],
             "hidden (decode)": r["hidden_fraction_decode"],
             "hidden (exposed, decode)": r.get("exposed_hidden_fraction_decode"),
             "all-reduces/step": r["decode_comm_calls"],
-        })
-    return sorted(rows, key=lambda r: (r["variant"], r["TP"], r["batch"], archs.index(r["arch"])))
+        }
+        order = (row["variant"], bench_report.ranks(r["degrees"]), row["degrees"], r["batch"], archs.index(r["arch"]))
+        keyed.append((order, row))
+    return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]
 
 
 def glance_rows(q_rows: list[dict], bench: dict, archs: list[str]) -> list[dict]:
     """One row per architecture: quality beside what its schedule hides, for the first screen."""
     rows = bench["rows"]
-    top_tp = max(bench["settings"]["tp"])
+    top = max(bench["degrees"], key=bench_report.ranks)  # the most ranks measured
+    top_label = bench_report.degrees_label(top)
     links = bench["settings"]["simulated"]["links"]
 
     def pick(arch, key):
         for r in rows:
-            if (r["arch"], r["variant"], r.get("link"), r["tp"], r["batch"]) == (arch, "simulated", links[0], top_tp, 1):
+            if (r["arch"], r["variant"], r.get("link"), r["degrees"], r["batch"]) == (arch, "simulated", links[0], top, 1):
                 return r.get(key)
         return None
 
@@ -143,8 +147,8 @@ def glance_rows(q_rows: list[dict], bench: dict, archs: list[str]) -> list[dict]
             "val ppl": q.get("val ppl"),
             "all-reduces per decode step": pick(arch, "decode_comm_calls"),
             "share of exposed comm hidden (simulated, median)": hidden[len(hidden) // 2] if hidden else None,
-            f"prefill speed-up ({links[0]}, TP {top_tp}, batch 1)": pick(arch, "speedup_prefill"),
-            f"decode speed-up ({links[0]}, TP {top_tp}, batch 1)": pick(arch, "speedup_decode"),
+            f"prefill speed-up ({links[0]}, {top_label}, batch 1)": pick(arch, "speedup_prefill"),
+            f"decode speed-up ({links[0]}, {top_label}, batch 1)": pick(arch, "speedup_decode"),
         })
     return out
 
@@ -166,7 +170,7 @@ def loss_curves(path: Path, pretrained: dict[str, dict]) -> Path:
 def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     images = {"loss_curves": loss_curves(out / "loss_curves.png", pretrained)}
-    for name in ("speedup_vs_batch.png", "speedup_vs_tp.png", "hidden_fraction_exposed.png"):
+    for name in ("speedup_vs_batch.png", "speedup_vs_degree.png", "hidden_fraction_exposed.png"):
         src = Path(bench["out_dir"]) / name if "out_dir" in bench else None
         if src and src.exists():
             images[name.removesuffix(".png")] = Path(shutil.copy(src, out / name))

@@ -2,10 +2,31 @@
 
 from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
+from models.kraken import entry as kraken_entry
+from models.kraken import sharding as kraken_sharding
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
+from models.ladder import entry as ladder_entry
+from models.ladder import sharding as ladder_sharding
+from models.ladder.convert import LLAMA_TO_LADDER
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
+from models.llama import entry as llama_entry
+from models.llama import sharding as llama_sharding
 from models.parallel_block import ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel
-from models.registry import ZOO, ZooEntry, build_config, build_model, get, register
+from models.parallel_block import entry as parallel_entry
+from models.parallel_block import sharding as parallel_sharding
+from models.registry import (
+    CONVERTERS,
+    ZOO,
+    Collectives,
+    Converter,
+    ZooEntry,
+    build_config,
+    build_model,
+    get,
+    get_converter,
+    register,
+    register_converter,
+)
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
 TINY_LLAMA = dict(
@@ -19,21 +40,66 @@ TINY_LLAMA = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
-register("llama", ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel, tiny_config=TINY_LLAMA)
-register("parallel", ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel, tiny_config=TINY_LLAMA)
+# Each architecture's facts for shared code come from its own folder: sharding.py and entry.py.
+register(
+    "llama",
+    ZooLlamaConfig,
+    ZooLlamaForCausalLM,
+    ZooLlamaModel,
+    tiny_config=TINY_LLAMA,
+    sharding=llama_sharding,
+    bench_config=llama_entry.bench_config,
+    collectives_per_forward=llama_entry.collectives_per_forward,
+)
+register(
+    "parallel",
+    ZooParallelConfig,
+    ZooParallelForCausalLM,
+    ZooParallelModel,
+    tiny_config=TINY_LLAMA,
+    sharding=parallel_sharding,
+    bench_config=parallel_entry.bench_config,
+    collectives_per_forward=parallel_entry.collectives_per_forward,
+)
 # Tiny ladder: the paper's hybrid, the upper half of the layers laddered.
-register("ladder", ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel, tiny_config={**TINY_LLAMA, "ladder_layers": 2})
-# Tiny Kraken: two streams, each of the tiny llama's layer shapes (so TP 2 fits; tests use k = TP degree).
-register("kraken", ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel, tiny_config={**TINY_LLAMA, "kraken_degree": 2})
+register(
+    "ladder",
+    ZooLadderConfig,
+    ZooLadderForCausalLM,
+    ZooLadderModel,
+    tiny_config={**TINY_LLAMA, "ladder_layers": 2},
+    sharding=ladder_sharding,
+    bench_config=ladder_entry.bench_config,
+    collectives_per_forward=ladder_entry.collectives_per_forward,
+)
+# Tiny Kraken: two streams, each of the tiny llama's layer shapes (so TP 2 fits; `tiny_at({"tp": P})` has P).
+register(
+    "kraken",
+    ZooKrakenConfig,
+    ZooKrakenForCausalLM,
+    ZooKrakenModel,
+    tiny_config={**TINY_LLAMA, "kraken_degree": 2},
+    sharding=kraken_sharding,
+    fit_degrees=kraken_entry.fit_degrees,
+    bench_config=kraken_entry.bench_config,
+    collectives_per_forward=kraken_entry.collectives_per_forward,
+)
+
+register_converter(LLAMA_TO_LADDER)
 
 __all__ = [
+    "CONVERTERS",
     "TINY_LLAMA",
     "ZOO",
+    "Collectives",
+    "Converter",
     "ZooEntry",
     "apply_special_tokens",
     "build_config",
     "build_model",
     "get",
+    "get_converter",
     "register",
+    "register_converter",
     "save_checkpoint",
 ]

@@ -1,12 +1,41 @@
-"""The zoo's registry: architecture name -> classes, and Auto-class registration.
+"""The zoo's registries: architecture name -> what shared code needs to know about it; checkpoint converters.
 
 `import models` fills `ZOO` and registers every architecture with `AutoConfig`, `AutoModel` and
-`AutoModelForCausalLM`, so `AutoModelForCausalLM.from_pretrained(dir)` loads any zoo checkpoint.
+`AutoModelForCausalLM`, so `AutoModelForCausalLM.from_pretrained(dir)` loads any zoo checkpoint. Besides
+its classes, an entry carries the facts the bench, the tests and the trainer need, each stated in the
+architecture's own folder (`sharding.py`, `entry.py`), so that no shared code names an architecture:
+
+- `degrees`: the mesh dimensions it shards over (the keys of its sharding.py PLAN, `model_class.shard_plan`);
+- `check_layout(config, degrees)`: its sharding.py check, one clear error for degrees that do not fit;
+- `fit_degrees(degrees)`: config fields it needs to run at those degrees (Kraken: kraken_degree = tp);
+- `bench_config(shape, degrees, **overrides)`: how a bench shape (Llama field names) becomes its config;
+- `collectives_per_forward(config, degrees)`: the collectives one forward issues, per kind.
+
+`CONVERTERS` maps a converter name to how `train.convert` turns one kind of checkpoint into another.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import NamedTuple
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+
+
+class Collectives(NamedTuple):
+    """One kind of collective in one forward: how many calls, and the values they carry per token, summed
+    over the calls (bytes = values_per_token x tokens x bytes per value)."""
+
+    calls: int
+    values_per_token: int
+
+
+CollectivesHook = Callable[[PreTrainedConfig, dict[str, int]], dict[str, Collectives]]
+
+
+def no_config_fields(degrees: dict[str, int]) -> dict:
+    """Most architectures run at any degree their shapes divide with no change of config."""
+    return {}
 
 
 @dataclass(frozen=True)
@@ -17,16 +46,50 @@ class ZooEntry:
     base_model_class: type[PreTrainedModel]
     # Config fields of a tiny instance (seconds to train on a CPU): for tests, smoke runs and benches.
     tiny_config: dict = field(default_factory=dict)
+    # Its sharding.py (PLAN and check_layout); None: no shard layout.
+    sharding: ModuleType | None = None
+    # Hooks from models/<name>/entry.py (see the module docstring); None: not declared.
+    fit_degrees: Callable[[dict[str, int]], dict] = no_config_fields
+    bench_config: Callable[..., PreTrainedConfig] | None = None
+    collectives_per_forward: CollectivesHook | None = None
+
+    @property
+    def degrees(self) -> tuple[str, ...]:
+        """Mesh dimensions the architecture shards over ("tp", "ep", "sp"): what `parallelize` applies."""
+        return tuple(getattr(self.model_class, "shard_plan", None) or ())
+
+    def check_layout(self, config: PreTrainedConfig, degrees: dict[str, int]) -> None:
+        """One clear error if `config` cannot be sharded at `degrees` ({"tp": 2}), before building anything."""
+        if self.sharding is not None:
+            self.sharding.check_layout(config, degrees)
+            return
+        # dp replicates every model; any other dimension needs a layout.
+        sharded = {d: n for d, n in degrees.items() if n > 1 and d != "dp"}
+        if sharded:
+            raise ValueError(f"{self.name} has no shard layout, so {sharded} does not fit; run it unsharded.")
 
     def tiny(self, **overrides) -> PreTrainedConfig:
         return self.config_class(**{**self.tiny_config, **overrides})
+
+    def tiny_at(self, degrees: dict[str, int], **overrides) -> PreTrainedConfig:
+        """The tiny config as it runs at `degrees` (e.g. Kraken with one stream per TP rank)."""
+        return self.tiny(**{**self.fit_degrees(degrees), **overrides})
 
 
 ZOO: dict[str, ZooEntry] = {}
 
 
-def register(name: str, config_class, model_class, base_model_class, tiny_config: dict | None = None) -> None:
-    ZOO[name] = ZooEntry(name, config_class, model_class, base_model_class, dict(tiny_config or {}))
+def register(
+    name: str,
+    config_class,
+    model_class,
+    base_model_class,
+    tiny_config: dict | None = None,
+    **hooks,
+) -> None:
+    """Add `name` to `ZOO` (with `hooks`: sharding, fit_degrees, bench_config, collectives_per_forward) and
+    register its classes with the Auto classes."""
+    ZOO[name] = ZooEntry(name, config_class, model_class, base_model_class, dict(tiny_config or {}), **hooks)
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, base_model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
@@ -45,3 +108,42 @@ def build_config(name: str, **kwargs) -> PreTrainedConfig:
 def build_model(name: str, **kwargs) -> PreTrainedModel:
     """A randomly initialised `...ForCausalLM` of architecture `name` with config fields `kwargs`."""
     return get(name).model_class(build_config(name, **kwargs))
+
+
+# --- converters -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How `train.convert` turns a checkpoint of one kind into a zoo architecture.
+
+    `convert(source_dir, **options)` returns the converted model; `check(source_dir, **options)` fails
+    with one clear error before anything is loaded or written (after train.convert's own checks that the
+    source is a saved checkpoint of one of `source_types`). `options` name the converter's settings,
+    read from train.convert's config (`ladder_layers=N`); `summary(model)` gives the fields its report
+    records about the result.
+    """
+
+    name: str
+    source: str  # the architecture converted from, as the report names it ("llama")
+    source_types: tuple[str, ...]  # config.json model_type values it reads
+    source_title: str  # "Llama", for messages and the report's title
+    target: str  # the zoo architecture produced ("ladder")
+    target_title: str  # "Ladder"
+    convert: Callable[..., PreTrainedModel]
+    options: tuple[str, ...] = ()
+    check: Callable[..., None] | None = None
+    summary: Callable[[PreTrainedModel], dict] = lambda model: {}
+
+
+CONVERTERS: dict[str, Converter] = {}
+
+
+def register_converter(converter: Converter) -> None:
+    CONVERTERS[converter.name] = converter
+
+
+def get_converter(name: str) -> Converter:
+    if name not in CONVERTERS:
+        raise ValueError(f"Unknown converter {name!r}; the zoo has: {', '.join(sorted(CONVERTERS))}.")
+    return CONVERTERS[name]

@@ -1,6 +1,7 @@
 """eval.bench: one tiny run measures every variant (simulated link, upper bound, real gloo ranks) and writes
 a well-formed report (results.json, README.md tables, PNGs, an offline W&B run); the hidden-fraction and
-speed-up arithmetic on hand values. No test asserts a speed-up: timings on a shared CPU are noise."""
+speed-up arithmetic on hand values; each architecture's bench config, layout check and collectives come
+from its registry entry. No test asserts a speed-up: timings on a shared CPU are noise."""
 
 import json
 import os
@@ -9,14 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from eval.bench import add_comparisons, hidden_fraction
+import models
+from eval.bench import check_settings, model_config
+from eval.bench_report import add_comparisons, hidden_fraction
 from eval.report import format_value, write_markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("llama", "ladder", "parallel", "kraken")  # conf/bench.yaml's default archs
 ROW_KEYS = {
-    "arch", "tp", "variant", "link", "batch",
+    "arch", "degrees", "variant", "link", "batch",
     "prefill_ms", "prefill_ms_min", "prefill_ms_max",
     "decode_ms_per_step", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "total_tok_s",
     "prefill_comm_calls", "prefill_comm_bytes", "decode_comm_calls", "decode_comm_bytes",
@@ -37,7 +42,7 @@ def test_hidden_fraction_on_hand_values():
 
 def test_speedups_and_hidden_fractions_from_rows():
     def row(arch, variant, link, prefill_ms, step_ms):
-        return {"arch": arch, "tp": 2, "variant": variant, "link": link, "batch": 1, "prefill_ms": prefill_ms,
+        return {"arch": arch, "degrees": {"tp": 2}, "variant": variant, "link": link, "batch": 1, "prefill_ms": prefill_ms,
                 "decode_ms_per_step": step_ms, "decode_tok_s": 1e3 / step_ms}  # fmt: skip
 
     rows = [
@@ -54,6 +59,39 @@ def test_speedups_and_hidden_fractions_from_rows():
     assert ladder["hidden_fraction_prefill"] == pytest.approx((20 - 15) / (20 - 12))
     assert rows[0]["speedup_decode"] == 1 and rows[0]["hidden_fraction_decode"] is None  # the baseline itself
     assert rows[3]["hidden_fraction_decode"] is None  # upper-bound rows have no upper bound of their own
+
+
+def bench_settings(*overrides: str) -> dict:
+    """The settings `python -m eval.bench bench_shape=tiny real.tp=[2] *overrides` hands to run_bench."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("bench", overrides=["bench_shape=tiny", "real.tp=[2]", "logger=none", *overrides])
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    return {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
+
+
+def test_bench_configs_come_from_each_architectures_entry():
+    cfg = bench_settings()
+    shape = cfg["bench_shape"]
+    llama = model_config(cfg, "llama", {"tp": 2})
+    assert type(llama) is models.ZooLlamaConfig and llama.hidden_size == shape["hidden_size"]
+    # Ladder ladders every layer (the paper's speed benchmark) unless config_overrides says otherwise.
+    assert model_config(cfg, "ladder", {"tp": 2}).ladder_layers == shape["num_hidden_layers"]
+    fewer = bench_settings("+config_overrides.ladder.ladder_layers=1")
+    assert model_config(fewer, "ladder", {"tp": 4}).ladder_layers == 1
+    # Kraken: one stream per rank, the parameter count of the shape's llama.
+    for tp in (2, 4):
+        kraken = model_config(cfg, "kraken", {"tp": tp})
+        assert kraken.kraken_degree == tp
+        assert kraken.num_parameters_formula() == pytest.approx(llama.num_parameters_formula(), rel=0.05)
+    check_settings(cfg)  # every default arch fits the tiny shape at TP 2 and 4
+
+
+def test_bench_refuses_degrees_an_architecture_cannot_take():
+    # The architectures' own check_layout: TP 3 splits none of the tiny shape's head counts.
+    with pytest.raises(ValueError, match=r"TP degree 3 does not divide num_attention_heads=8; TP degrees that fit"):
+        check_settings(bench_settings("tp=[3]"))
+    with pytest.raises(ValueError, match=r"config_overrides names 'nope', which is not in archs"):
+        check_settings(bench_settings("+config_overrides.nope={}"))
 
 
 def test_markdown_table_formatting():
@@ -89,22 +127,26 @@ def test_bench_runs_every_variant_and_writes_results(tiny_run):
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["prefill_ms"] > 0 and r["decode_tok_s"] > 0
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
-    # Communication per decode step, from the counters: 2 all-reduces per layer (1 for the parallel
-    # block and Kraken) of batch x d fp32 values; none at all without collectives.
-    layers, d = 4, 128
+    # Communication per prefill and per decode step, from the counters, is what each architecture's entry
+    # declares (collectives_per_forward, of fp32 values); none at all without collectives.
+    settings = results["settings"]
     by = {(r["arch"], r["variant"]): r for r in rows}
-    for variant in ("simulated", "real"):
-        assert by[("llama", variant)]["decode_comm_calls"] == 2 * layers
-        assert by[("ladder", variant)]["decode_comm_bytes"] == 2 * layers * d * 4
-        assert by[("parallel", variant)]["decode_comm_calls"] == layers
-        # Kraken: L-1 stream-sum all-reduces plus the conjunction's
-        assert by[("kraken", variant)]["decode_comm_calls"] == layers
+    for arch in ARCHS:
+        declared = models.ZOO[arch].collectives_per_forward(model_config(settings, arch, {"tp": 2}), {"tp": 2})
+        calls = sum(c.calls for c in declared.values())
+        values = sum(c.values_per_token for c in declared.values())
+        assert calls > 0
+        for variant in ("simulated", "real"):
+            row = by[(arch, variant)]
+            assert row["degrees"] == {"tp": 2}
+            assert row["decode_comm_calls"] == calls and row["decode_comm_bytes"] == values * 1 * 4  # batch 1
+            assert row["prefill_comm_calls"] == calls and row["prefill_comm_bytes"] == values * 16 * 4  # prompt
     assert by[("llama", "upper_bound")]["decode_comm_calls"] == 0
     sim = by[("ladder", "simulated")]
     assert sim["decode_exposed_ms"] >= 0 and sim["decode_comm_busy_ms"] > 0
     assert by[("llama", "real")]["backend"] == "gloo"
     # Everything needed to read the numbers later is recorded with them.
-    assert results["settings"]["tp"] == [2] and results["settings"]["bench_shape"]["hidden_size"] == d
+    assert results["degrees"] == [{"tp": 2}] and results["settings"]["bench_shape"]["hidden_size"] == 128
     assert {"cpu", "torch", "transformers", "cpu_cores"} <= set(results["hardware"])
     assert {link["name"] for link in results["links"]} >= {"nvlink-h100", "pcie4"}
 
@@ -113,9 +155,9 @@ def test_bench_writes_markdown_and_plots(tiny_run):
     readme = (tiny_run / "README.md").read_text()
     for section in ("## simulated:nvlink-h100", "## upper_bound", "## real", "## upper_bound_real", "## Link presets"):
         assert section in readme
-    assert "| arch | TP | batch | prefill ms |" in readme
+    assert "| arch | degrees | batch | prefill ms |" in readme and "| llama | tp=2 | 1 |" in readme
     assert "gloo's communication thread has no free core" in readme
-    for name in ("speedup_vs_batch.png", "speedup_vs_tp.png", "hidden_fraction.png", "hidden_fraction_exposed.png"):
+    for name in ("speedup_vs_batch.png", "speedup_vs_degree.png", "hidden_fraction.png", "hidden_fraction_exposed.png"):
         data = (tiny_run / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
         assert f"]({name})" in readme

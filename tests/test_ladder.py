@@ -84,6 +84,22 @@ def test_llama_checkpoint_converts_and_round_trips_through_auto(hf_llama_dir, tm
         assert torch.equal(reloaded(ids).logits, ladder(ids).logits)
 
 
+def test_llama_to_ladder_is_the_registered_converter(hf_llama_dir):
+    # What `python -m train.convert` runs by default: the converter's own hooks, from models.CONVERTERS.
+    _, path = hf_llama_dir
+    converter = models.get_converter("llama_to_ladder")
+    assert (converter.source, converter.target, converter.options) == ("llama", "ladder", ("ladder_layers",))
+    assert {"llama", "zoo_llama"} <= set(converter.source_types)
+    converter.check(path, ladder_layers=1)
+    ladder = converter.convert(path, ladder_layers=1)
+    assert type(ladder) is models.ZOO[converter.target].model_class
+    assert converter.summary(ladder) == {"ladder_layers": 1, "num_hidden_layers": 4}
+    with pytest.raises(ValueError, match=r"ladder_layers=5 is out of range; use 0\.\.4"):
+        converter.check(path, ladder_layers=5)
+    with pytest.raises(ValueError, match=r"Unknown converter 'nope'; the zoo has: .*llama_to_ladder"):
+        models.get_converter("nope")
+
+
 @pytest.mark.parametrize("bad", [5, -1, [4], [1, 1]])
 def test_ladder_layers_out_of_range_is_one_clear_error(bad):
     with pytest.raises(ValueError, match=r"ladder_layers=.* (is out of range; use 0\.\.4|must list distinct layer indices in 0\.\.3)"):

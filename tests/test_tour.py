@@ -1,10 +1,18 @@
-"""Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs and the report is written.
-Slow (about 3 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
+"""Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs, the report is written under
+the run directory, and nothing else is written into the checkout (the tour runs in a copy of it).
+Slow (1-3 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What a checkout holds besides the sources (and what `make clean` removes); not copied.
+NOT_COPIED = (".git", ".venv", "outputs", "logs", "wandb", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache")
 
 OVERRIDES = [
     "archs=[llama,parallel,ladder]",
@@ -17,16 +25,39 @@ OVERRIDES = [
 ]
 
 
+def snapshot(root: Path) -> dict[Path, tuple[int, int]]:
+    """(size, mtime) of every file under `root` but Python's byte-code caches."""
+    return {
+        path.relative_to(root): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in root.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
 @pytest.mark.slow
-def test_tour_writes_report(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    report = tmp_path / "report"
-    command = [sys.executable, "-m", "eval.tour", f"hydra.run.dir={tmp_path / 'run'}", f"report_dir={report}", *OVERRIDES]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
+def test_tour_writes_report_under_outputs_and_nothing_else(tmp_path):
+    # The tour runs as `make demo` does, from the checkout's root with the default run and report
+    # directories, in a copy of the checkout (its modules imported from there: cwd comes first on
+    # sys.path), so that whatever it writes can be told from the other files.
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(*NOT_COPIED))
+    before = snapshot(checkout)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(checkout))
+    command = [sys.executable, "-m", "eval.tour", *OVERRIDES]
+    proc = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    after = snapshot(checkout)
+    written = sorted(str(p) for p in after if p not in before and p.parts[0] != "outputs")
+    changed = sorted(str(p) for p in before if after.get(p) != before[p])
+    assert not written and not changed, f"the tour wrote into the checkout: {written + changed}"
+
+    (run,) = (checkout / "outputs" / "tour").iterdir()
+    report = run / "report"
     text = (report / "README.md").read_text()
     for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Speed"):
         assert heading in text
     for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)"):
         assert f"| {arch} |" in text
     assert (report / "loss_curves.png").stat().st_size > 0
-    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert list((run / "wandb").glob("offline-run-*"))

@@ -17,17 +17,15 @@ from parallel.state import (
 from tests.distributed import run_ranks
 
 ATOL = 1e-5
-TP_ARCHS = sorted(name for name, e in models.ZOO.items() if "tp" in getattr(e.model_class, "shard_plan", {}))
+TP_ARCHS = sorted(name for name, e in models.ZOO.items() if "tp" in e.degrees)
 # Shapes every TP degree up to 4 divides.
 TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
-# Architectures whose ranks hold whole streams (Kraken): built with one stream per rank, heads not split.
-STREAM_ARCHS = {"kraken"}
 
 
 def build(name: str, tp: int, **overrides):
+    """The tiny `name` as it runs at TP degree `tp` (its entry's fit_degrees, e.g. one Kraken stream per rank)."""
     torch.manual_seed(0)
-    streams = {"kraken_degree": tp} if name in STREAM_ARCHS else {}
-    return models.ZOO[name].model_class(models.ZOO[name].tiny(**TP4, **streams, **overrides)).eval()
+    return models.ZOO[name].model_class(models.ZOO[name].tiny_at({"tp": tp}, **TP4, **overrides)).eval()
 
 
 def local_slice(reference: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -68,10 +66,15 @@ def _check_one(rank, world_size, mesh, name):
         for t in range(7, ids.shape[1]):
             step = sharded(ids[:, t : t + 1], cache=cache, use_cache=True)
             pieces.append(step.logits)
+        ref_cache = reference(ids, use_cache=True).cache
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=ATOL)
-    # The cache holds only this rank's KV heads (of a stream architecture: all of its own stream's).
-    kv_heads = reference.config.num_key_value_heads
-    assert cache.layers[0].keys.shape[1] == (kv_heads if name in STREAM_ARCHS else kv_heads // world_size)
+
+    # The cache is sharded with the model: a rank holds 1/P of the unsharded model's keys and values (its
+    # KV heads, or its own stream's layers).
+    def cached(c):
+        return sum(layer.keys.numel() + layer.values.numel() for layer in c.layers)
+
+    assert cached(cache) * world_size == cached(ref_cache)
 
     # Checkpoints under TP: the gathered full state is the unsharded model's, and loads back exactly.
     group = mesh.get_group("tp")
@@ -105,29 +108,26 @@ def test_tp_equals_single_device(tp):
 def _count_collectives(rank, world_size, names):
     mesh = parallel.init_mesh(tp=world_size)
     for name in names:
-        _count_one(mesh, name, ALL_REDUCES_PER_LAYER[name])
+        _count_one(mesh, name)
 
 
-def _count_one(mesh, name, per_layer):
+def _count_one(mesh, name):
+    """The counters of one forward match what the architecture's entry declares (collectives_per_forward)."""
     model = parallel.parallelize(build(name, mesh.size()), mesh)
-    layers = model.config.num_hidden_layers
+    declared = models.ZOO[name].collectives_per_forward(model.config, {"tp": mesh.size()})
     ids = torch.randint(0, 256, (2, 8))
     comm.reset_counters()
     with torch.no_grad():
         model(ids)
     counts = comm.snapshot_counters()
-    assert set(counts) == {"all_reduce"}
-    assert counts["all_reduce"]["calls"] == per_layer * layers
-    assert counts["all_reduce"]["bytes"] == per_layer * layers * 2 * 8 * model.config.hidden_size * 4  # fp32
+    assert set(counts) == set(declared), name
+    for kind, expected in declared.items():
+        assert counts[kind]["calls"] == expected.calls, (name, kind)
+        assert counts[kind]["bytes"] == expected.values_per_token * 2 * 8 * 4, (name, kind)  # B x T tokens, fp32
     comm.reset_counters()
     with comm.use_mode("none"), torch.no_grad():
         model(ids)
     assert comm.snapshot_counters() == {}
-
-
-# All-reduces per layer in one forward: one per sub-block, except the parallel block's single one and
-# Kraken's (one per layer after the first, plus one for the conjunction).
-ALL_REDUCES_PER_LAYER = {"llama": 2, "ladder": 2, "parallel": 1, "kraken": 1}
 
 
 def test_comm_counters():

@@ -91,6 +91,7 @@ def test_fast_dev_run_saves_loadable_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     assert model.config.hidden_size == 64 and model.config.vocab_size == len(tokenizer)
+    assert result["num_parameters"] == sum(p.numel() for p in model.parameters())
     input_ids = tokenizer("To be, or not to be", return_tensors="pt")["input_ids"]
     loss = model(input_ids=input_ids, labels=input_ids).loss
     assert torch.isfinite(loss)

@@ -1,11 +1,15 @@
-"""Convert a Llama checkpoint to Ladder Residual and measure what the conversion costs.
+"""Convert a checkpoint into a zoo architecture and measure what the conversion costs.
 
     python -m train.convert source=DIR ladder_layers=N [retrain.enabled=true retrain.overrides=[...]]
+    python -m train.convert converter=NAME source=DIR [its options]
 
-Loads an HF `LlamaForCausalLM` (or zoo `llama`) checkpoint, ladders its last N layers (same weights,
-rewired residual stream), saves the Ladder checkpoint with the tokenizer, and reports validation loss
-on the bundled corpus before conversion, right after it, and after optional retraining with the
-pretraining app (the paper's recipe: expect a jump, then recovery close to the original).
+`converter` names one of `models.CONVERTERS` (default `llama_to_ladder`: an HF `LlamaForCausalLM` or
+zoo `llama` checkpoint with its last N layers laddered, same weights, rewired residual stream). The
+converter states which checkpoints it reads, which options it takes (read from this app's config) and
+what it checks; this app checks that the source is a saved checkpoint of one of those kinds, converts,
+saves the result with the tokenizer, and reports validation loss on the bundled corpus before
+conversion, right after it, and after optional retraining with the pretraining app (the paper's
+recipe: expect a jump, then recovery close to the original).
 """
 
 import json
@@ -16,28 +20,37 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
-import models  # noqa: F401  (registers the zoo with the Auto classes)
-from eval.perplexity import evaluate_loss
+import models
 from models.checkpoint import save_checkpoint
-from models.ladder.configuration import ZooLadderConfig
-from models.ladder.convert import CONVERTIBLE, llama_to_ladder
+from models.registry import Converter
 from train.data import load_tokenizer
+from train.metrics import evaluate_loss
 
 
 def _has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
-def check_source(source: Path, ladder_layers: int | list[int]) -> None:
+def converter_options(cfg: DictConfig, converter: Converter) -> dict:
+    """The converter's options from the app's config, as plain Python values (a list stays a list)."""
+    options = {}
+    for name in converter.options:
+        value = cfg[name]
+        options[name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+    return options
+
+
+def check_source(source: Path, converter: Converter, options: dict) -> None:
     """What would make the conversion fail, or write a checkpoint that does not load: checked before
     anything is loaded or written."""
+    what = converter.source_title
     hint = (
-        "pass the directory of a saved Llama checkpoint (config.json + model.safetensors), "
+        f"pass the directory of a saved {what} checkpoint (config.json + model.safetensors), "
         "e.g. outputs/pretrain/<time>/hf"
     )
     if not source.is_dir():
-        what = "is a file, not a directory" if source.exists() else "does not exist"
-        raise FileNotFoundError(f"source={source} {what}; {hint}.")
+        state = "is a file, not a directory" if source.exists() else "does not exist"
+        raise FileNotFoundError(f"source={source} {state}; {hint}.")
     config_file = source / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"source={source} has no config.json, so it is not a saved checkpoint; {hint}.")
@@ -45,35 +58,37 @@ def check_source(source: Path, ladder_layers: int | list[int]) -> None:
         model_type = json.loads(config_file.read_text()).get("model_type")
     except (ValueError, AttributeError) as error:
         raise ValueError(f"{config_file} is not a JSON object ({error}); {hint}.") from error
-    if model_type not in CONVERTIBLE:
+    if model_type not in converter.source_types:
         raise ValueError(
-            f"source={source} has model_type={model_type!r}, not a Llama; train.convert converts "
-            f"{', '.join(map(repr, CONVERTIBLE))} checkpoints to Ladder."
+            f"source={source} has model_type={model_type!r}, not a {what}; train.convert converts "
+            f"{', '.join(map(repr, converter.source_types))} checkpoints to {converter.target_title} "
+            f"(converter={converter.name})."
         )
     if not any(source.glob("*.safetensors")) and not any(source.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"source={source} has a config.json but no weights (*.safetensors); {hint}.")
-    # The Ladder config's own checks (ladder_layers in range for this checkpoint's layers).
-    ZooLadderConfig.from_pretrained(source, ladder_layers=ladder_layers)
+    if converter.check is not None:
+        converter.check(source, **options)
 
 
 def convert(cfg: DictConfig) -> dict:
+    converter = models.get_converter(cfg.converter)
     source = Path(cfg.source)
     run_dir = Path(cfg.paths.output_dir).resolve()
-    out = run_dir / "ladder"
-    ladder_layers = cfg.ladder_layers
-    if OmegaConf.is_config(ladder_layers):  # a list of layer indices
-        ladder_layers = OmegaConf.to_object(ladder_layers)
-    check_source(source, ladder_layers)
+    out = run_dir / converter.target
+    options = converter_options(cfg, converter)
+    check_source(source, converter, options)
     tokenizer_source = str(source) if _has_tokenizer(source) else cfg.data.tokenizer
     tokenizer = load_tokenizer(tokenizer_source)
 
-    ladder = llama_to_ladder(source, ladder_layers)
-    save_checkpoint(ladder, tokenizer, out)
+    converted = converter.convert(source, **options)
+    save_checkpoint(converted, tokenizer, out)
+    details = converter.summary(converted)
     result = {
+        "converter": converter.name,
+        "title": f"{converter.source_title} -> {converter.target_title}",
         "source": str(source),
-        "ladder_layers": ladder.config.ladder_layers,
-        "num_hidden_layers": ladder.config.num_hidden_layers,
-        "ladder_dir": str(out),
+        **details,
+        f"{converter.target}_dir": str(out),
         "val": {},
     }
 
@@ -85,14 +100,14 @@ def convert(cfg: DictConfig) -> dict:
         def val(model) -> dict:
             return evaluate_loss(model, datamodule.val_dataloader(), cfg.evaluate.max_batches)
 
-        result["val"]["llama (source)"] = val(AutoModelForCausalLM.from_pretrained(source))
-        result["val"]["ladder, no retraining"] = val(ladder)
+        result["val"][f"{converter.source} (source)"] = val(AutoModelForCausalLM.from_pretrained(source))
+        result["val"][f"{converter.target}, no retraining"] = val(converted)
 
     if cfg.retrain.enabled:
         from train.pretrain import train
 
         overrides = [
-            "model=ladder",
+            f"model={converter.target}",
             f"+model.init_from={out}",
             f"paths.output_dir={run_dir / 'retrain'}",
             f"data.tokenizer={tokenizer_source}" if tokenizer_source else "data.tokenizer=null",
@@ -107,16 +122,19 @@ def convert(cfg: DictConfig) -> dict:
             "hf_dir": retrained["hf_dir"],
         }
         if cfg.evaluate.enabled:
-            result["val"]["ladder, retrained"] = val(AutoModelForCausalLM.from_pretrained(retrained["hf_dir"]))
+            result["val"][f"{converter.target}, retrained"] = val(
+                AutoModelForCausalLM.from_pretrained(retrained["hf_dir"])
+            )
 
-    write_report(result, run_dir)
+    write_report(result, run_dir, details)
     return result
 
 
-def write_report(result: dict, run_dir: Path) -> None:
+def write_report(result: dict, run_dir: Path, details: dict) -> None:
     (run_dir / "conversion.json").write_text(json.dumps(result, indent=2))
+    settings = ", ".join(f"{k}={v}" for k, v in details.items())
     lines = [
-        f"# Llama -> Ladder conversion ({result['ladder_layers']} of {result['num_hidden_layers']} layers laddered)",
+        f"# {result['title']} conversion" + (f" ({settings})" if settings else ""),
         "",
         f"source: `{result['source']}`",
         "",

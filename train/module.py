@@ -6,15 +6,19 @@ learning-rate schedule, and the metrics every pretraining run reports:
 - per training step: `train/loss`, `train/lr`, `train/grad_norm` (before clipping), `train/tokens_per_s`
 - per validation: `val/loss` (token-weighted mean over the whole validation set, all ranks) and
   `val/ppl` = exp(`val/loss`).
+
+It also guards training: a non-finite loss or gradient stops the run (`nonfinite_loss=stop`, before the
+update, so the last checkpoint holds good weights) or skips that update (`skip`); and on resume the
+optimizer settings of the config win over the checkpoint's (`optimizer.lr changed ... : applied`).
 """
 
+import logging
 import math
 import time
 from functools import partial
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
@@ -22,9 +26,21 @@ import models
 import parallel
 from parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
 from parallel.tp import grad_norm as tp_grad_norm
+from train.metrics import summed_token_loss
 from train.strategy import TP_DIM
 
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
+NONFINITE_POLICIES = ("stop", "skip")
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """A failure explained in its message: `train.pretrain` reports it in one line, without a traceback."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss or the gradient of a step is NaN or infinite (`nonfinite_loss=stop`)."""
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -48,6 +64,9 @@ class CausalLMModule(L.LightningModule):
         parallel: the model-parallel layout (conf/parallel): `tp` = tensor-parallel degree.
         init_from: an HF checkpoint directory to start from (e.g. a converted Ladder model); the model's
             config then comes from that checkpoint and `model_config` must be empty or agree with it.
+        nonfinite_loss: `stop` (raise `NonFiniteLossError` before the step's update) or `skip` (leave
+            the weights and optimizer state as they are for that step) when the loss or the gradient
+            norm is NaN or infinite.
     """
 
     def __init__(
@@ -58,13 +77,17 @@ class CausalLMModule(L.LightningModule):
         optimizer: dict,
         parallel: dict | None = None,
         init_from: str | None = None,
+        nonfinite_loss: str = "stop",
     ) -> None:
         super().__init__()
-        for degree, value in (parallel or {}).items():
-            if degree != "tp" and value != 1:
+        for key, value in (parallel or {}).items():
+            # every key but the collective timeout is a parallelism degree
+            if key not in ("tp", "timeout_s") and value != 1:
                 raise ValueError(
-                    f"parallel.{degree}={value} is not supported by train.pretrain yet; only tensor parallelism (tp) is."
+                    f"parallel.{key}={value} is not supported by train.pretrain yet; only tensor parallelism (tp) is."
                 )
+        if nonfinite_loss not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite_loss={nonfinite_loss!r}; use one of {NONFINITE_POLICIES}.")
         self.tp = int((parallel or {}).get("tp", 1))
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
@@ -81,6 +104,9 @@ class CausalLMModule(L.LightningModule):
                 )
         else:
             self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
+        # Counted now, while every rank still holds the whole model (configure_model shards it later);
+        # parameters() counts tied weights once.
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
         # {"loss": ..., "ppl": ...} of the validation before any training; kept in checkpoints so that a
         # resumed run can still report it.
         self.val_at_start: dict | None = None
@@ -89,6 +115,9 @@ class CausalLMModule(L.LightningModule):
         self._step_clock: float | None = None
         self._val_loss_sum: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
+        # the checkpoint's optimizer settings while resuming, until on_train_start applies ours
+        self._resumed_optimizer_settings: dict | None = None
+        self._skip_update = False  # set by a skipped training_step for on_before_optimizer_step
 
     def configure_model(self) -> None:
         # Lightning calls this on every rank once the process group and the device mesh exist, before
@@ -109,20 +138,68 @@ class CausalLMModule(L.LightningModule):
         labels = batch.get("labels", input_ids)
         loss = self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
         # Rank 0's loss; averaging it over ranks every step would cost a collective for a log line.
+        # Logged even when skipped (nan): a metric not logged at a step repeats its previous value.
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if self._nonfinite_on_any_rank(loss):
+            self._nonfinite(f"train/loss is {loss.item()}")
+            # skip: a zero loss that reaches every parameter, so that backward (and under DDP its
+            # all-reduce) runs as on any step on every rank (Lightning refuses a None loss when
+            # distributed); on_before_optimizer_step then drops the update.
+            self._skip_update = True
+            return sum(p.sum() for p in self.parameters()) * 0.0
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after backward (and, under DDP, after the gradient all-reduce) and before clipping,
         # so this is the norm of the full, unclipped gradient. (With tensor-parallel shards each rank
         # holds only part of the gradient; that layout has to reduce the norm over its group.)
-        if self.tp > 1:
-            self.log("train/grad_norm", tp_grad_norm(self.model, self.tp_group), on_step=True, on_epoch=False)
+        # The norm is the same on every rank, so is the decision about a non-finite one.
+        if self._skip_update:
+            self._skip_update = False
+            self._drop_gradients()
+            self.log("train/grad_norm", math.nan, on_step=True, on_epoch=False)  # none was computed
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
+        if self.tp > 1:
+            norm = tp_grad_norm(self.model, self.tp_group)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        # Under fp16 mixed precision an infinite gradient is routine: the grad scaler skips that step
+        # and lowers its scale.
+        if not torch.isfinite(norm) and getattr(self.trainer.precision_plugin, "scaler", None) is None:
+            self._nonfinite(f"the gradient norm is {norm.item()}")
+            self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
+        # AdamW leaves a parameter without a gradient as it is (no moment update, no weight decay);
+        # the step still counts (global_step and the lr schedule move on).
+        for p in self.parameters():
+            p.grad = None
+
+    def _nonfinite_on_any_rank(self, loss: torch.Tensor) -> bool:
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.world_size > 1:
+            # Data-parallel ranks see other batches: all must skip or stop together, or the others
+            # would wait for this rank's gradients in the all-reduce.
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        return bool(bad > 0)
+
+    def _nonfinite(self, what: str) -> None:
+        """Stops (raises) or, with `nonfinite_loss=skip`, reports the step that the caller then skips."""
+        step = self.trainer.global_step
+        if self.hparams.nonfinite_loss == "skip":
+            if self.trainer.is_global_zero:
+                log.warning(f"step {step}: {what}; skipped this update (nonfinite_loss=skip)")
+            return
+        where = " (on this or another rank)" if self.trainer.world_size > 1 else ""
+        checkpoint = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or ""
+        kept = f"; the last checkpoint, {checkpoint}, is untouched" if checkpoint else ""
+        raise NonFiniteLossError(
+            f"Training stopped at step {step}: {what}{where}{kept}. Lower optimizer.lr "
+            f"(now {self.hparams.optimizer['lr']}) or trainer.gradient_clip_val and resume, or set "
+            "nonfinite_loss=skip to skip such steps."
+        )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.tp > 1 and gradient_clip_val:
@@ -159,16 +236,10 @@ class CausalLMModule(L.LightningModule):
         labels = batch.get("labels", input_ids)
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         # Summed token losses (not the batch mean), so the final mean weights every token equally
-        # whatever the batch sizes and however many labels are masked.
-        targets = labels[:, 1:]
-        loss_sum = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        # whatever the batch sizes and however many labels are masked; the same loss as eval's.
+        loss_sum, tokens = summed_token_loss(logits, labels)
         self._val_loss_sum += loss_sum.double()
-        self._val_tokens += (targets != IGNORE_INDEX).sum()
+        self._val_tokens += tokens
 
     def on_validation_epoch_end(self) -> None:
         totals = self.trainer.strategy.reduce(
@@ -221,10 +292,41 @@ class CausalLMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.val_at_start = checkpoint.get("val_at_start")
         self.val_history = list(checkpoint.get("val_history", []))
+        # Lightning restores the optimizer and schedule with the checkpoint's lr, betas and weight
+        # decay after this hook; on_train_start replaces them with this run's.
+        self._resumed_optimizer_settings = checkpoint.get("hyper_parameters", {}).get("optimizer")
+
+    def on_train_start(self) -> None:
+        if self._resumed_optimizer_settings is not None:
+            self._apply_optimizer_settings(self._resumed_optimizer_settings)
+            self._resumed_optimizer_settings = None
+
+    def _apply_optimizer_settings(self, saved: dict) -> None:
+        """Puts this run's `optimizer.*` settings into the optimizer and schedule restored from a
+        checkpoint (trained with `saved`), so that a changed setting takes effect from the first step."""
+        hp = self.hparams.optimizer
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        scheduler = self.lr_schedulers()
+        decay_group = optimizer.param_groups[0]  # the groups configure_optimizers built: decay, no decay
+        decay_group["weight_decay"] = hp["weight_decay"]
+        for group in optimizer.param_groups:
+            group["betas"] = tuple(hp["betas"])
+            group["initial_lr"] = hp["lr"]
+        scheduler.base_lrs = [hp["lr"]] * len(optimizer.param_groups)
+        # The lr of the coming step: the restored one was the checkpoint's lr at the checkpoint's
+        # schedule. The schedule itself (warmup_steps, min_lr_ratio, max_steps) is already this run's:
+        # configure_optimizers built it and LambdaLR does not save its function.
+        for group, base_lr, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base_lr * schedule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        if self.trainer.is_global_zero:
+            for key in sorted(hp):
+                if key in saved and saved[key] != hp[key]:
+                    log.info(f"optimizer.{key} changed {saved[key]} -> {hp[key]} on resume: applied")
 
 
 class PrintValPerplexity(L.Callback):
-    """Prints one line after every validation: the step, `val/loss` and `val/ppl` (rank 0)."""
+    """Logs one line after every validation: the step, `val/loss` and `val/ppl` (rank 0)."""
 
     @rank_zero_only
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -232,4 +334,4 @@ class PrintValPerplexity(L.Callback):
             return
         loss = float(trainer.callback_metrics["val/loss"])
         ppl = float(trainer.callback_metrics["val/ppl"])
-        print(f"[val] step {trainer.global_step:>6d}  val/loss {loss:.4f}  val/ppl {ppl:.2f}", flush=True)
+        log.info(f"[val] step {trainer.global_step:>6d}  val/loss {loss:.4f}  val/ppl {ppl:.2f}")

@@ -6,11 +6,18 @@ process group, the ("data_parallel", "tensor_parallel") device mesh and the `con
 but its checkpoints only gather DTensors; this subclass makes a checkpoint hold the UNSHARDED model
 and optimizer state in one file (gathered over the TP group, re-sliced on load), so a TP run resumes
 exactly and its checkpoint also loads at any other TP degree.
+
+The process group gets a finite `timeout` (conf/parallel: `parallel.timeout_s`): a rank that stops
+answering fails the collectives of the others after that long instead of hanging them. (Under gloo a
+rank that dies fails them at once: its sockets close.) Checkpoints are written by the Trainer's
+CheckpointIO plugin (`train.callbacks.AtomicCheckpointIO`), like every other strategy's.
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -20,12 +27,19 @@ TP_DIM = "tensor_parallel"  # the name ModelParallelStrategy gives the TP dimens
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
-    def __init__(self, tensor_parallel_size: int, data_parallel_size: int = 1, process_group_backend=None):
+    def __init__(
+        self,
+        tensor_parallel_size: int,
+        data_parallel_size: int = 1,
+        process_group_backend=None,
+        timeout: timedelta | None = default_pg_timeout,
+    ):
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=False,
             process_group_backend=process_group_backend,
+            timeout=timeout,
         )
 
     @property

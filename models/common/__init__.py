@@ -1,18 +1,28 @@
 """Shared layers: every architecture in the zoo builds from these, none keeps its own copy."""
 
 from models.common.attention import Attention, make_causal_mask
-from models.common.causal_lm import ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.common.causal_lm import (
+    ZooCausalLMOutput,
+    ZooDecoderModel,
+    ZooForCausalLM,
+    ZooModelOutput,
+    ZooPreTrainedModel,
+)
+from models.common.decoder import PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
 from models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
 
 __all__ = [
     "Attention",
+    "PreNormDecoderLayer",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLUMLP",
+    "ZooCausalLMOutput",
     "ZooDecoderModel",
     "ZooForCausalLM",
+    "ZooModelOutput",
     "ZooPreTrainedModel",
     "apply_rotary_pos_emb",
     "make_causal_mask",

@@ -20,27 +20,39 @@ def make_causal_mask(
     past_len: int,
     device: torch.device,
     batch_size: int | None = None,
+    q_offset: int = 0,
 ) -> torch.Tensor | None:
-    """Boolean mask [batch or 1, 1, q_len, past_len + q_len] (True = may attend), or None.
+    """Boolean mask [batch or 1, 1, q_len, past_len + q_offset + q_len] (True = may attend), or None.
+
+    The keys are, in order: `past_len` cached tokens, `q_offset` tokens that precede the queries but
+    are not cached (under sequence parallelism: the tokens of the ranks before this one), then the
+    queries' own tokens; query i sits at position past_len + q_offset + i and sees every key up to
+    itself. Keys after the last query would all be masked, so they are not in the mask.
 
     None means plain causal attention that SDPA can do with `is_causal` (or no mask at all for a
-    single decode step). `attention_mask` is the usual 2-D padding mask over past + current tokens,
-    [batch_size, past_len + q_len]; any other shape is an error (an all-ones mask of the wrong shape
-    would otherwise be ignored, and a partly-zero one sliced or broadcast onto the wrong tokens).
+    single decode step). `attention_mask` is the usual 2-D padding mask over those keys,
+    [batch_size, past_len + q_offset + q_len]; any other shape is an error (an all-ones mask of the
+    wrong shape would otherwise be ignored, and a partly-zero one sliced or broadcast onto the wrong
+    tokens).
     """
-    kv_len = past_len + q_len
+    before = past_len + q_offset  # keys before the first query
+    kv_len = before + q_len
     if attention_mask is not None:
         want = (attention_mask.shape[0] if batch_size is None else batch_size, kv_len)
         if tuple(attention_mask.shape) != want:
+            keys, counts = "cached + new tokens", f"{past_len} + {q_len}"
+            if q_offset:
+                keys = "cached + preceding (seq_offset) + new tokens"
+                counts = f"{past_len} + {q_offset} + {q_len}"
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, but this input needs {want}: "
-                f"[batch, cached + new tokens] = [{want[0]}, {past_len} + {q_len}], 1 for tokens to attend "
-                "to and 0 for padding."
+                f"[batch, {keys}] = [{want[0]}, {counts}], 1 for tokens to attend to and 0 for padding."
             )
     has_padding = attention_mask is not None and not bool(attention_mask.all())
-    if not has_padding and (past_len == 0 or q_len == 1):
+    # SDPA's is_causal aligns the diagonal top-left, which is right only when no key precedes the queries.
+    if not has_padding and (before == 0 or q_len == 1):
         return None
-    q_pos = torch.arange(past_len, kv_len, device=device)[:, None]
+    q_pos = torch.arange(before, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     mask = (k_pos <= q_pos)[None, None]
     if has_padding:
@@ -89,7 +101,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
@@ -97,8 +109,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if position_embeddings is not None:  # None: a model without rotary (NoPE; the mask alone is causal)
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out = F.scaled_dot_product_attention(

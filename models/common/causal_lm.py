@@ -3,10 +3,24 @@
 An architecture defines its config, its decoder layer (`make_layer`) and, if its residual stream is
 not the standard one, `run_layers`. Everything else -- embeddings, positions, masks, KV cache, final
 norm, LM head, loss, `generate()` -- is here once, with Hugging Face names so checkpoints load.
+
+Hooks of the trunk (`ZooDecoderModel`), each with the standard (Llama) behaviour as its default:
+
+- `make_layer(config, layer_idx)`: decoder layer `layer_idx` (no default).
+- `run_layers(hidden_states, position_embeddings, attention_mask, cache)`: the residual stream; returns
+  the hidden states, or `(hidden_states, aux_losses)` with `aux_losses` a dict of named scalar losses,
+  already weighted, which the LM head adds to the loss (`ZooCausalLMOutput.aux_losses`).
+- `make_rotary(config)`: the rotary embedding (any dimension), or None for a model without RoPE, whose
+  layers then get `position_embeddings=None`.
+- `make_cache(batch_size=None, max_cache_len=None)`: the cache of a forward with `use_cache` and no
+  cache, and of `generate()`; any transformers `Cache` subclass (recurrent states, latent KV, ...).
+- `sequence_offset(q_len)`: how many tokens of each sequence precede this forward's chunk (0 on one
+  device; a sequence-parallel layout returns its rank's start). `forward(..., seq_offset=n)` overrides it.
 """
 
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +95,22 @@ def _unreadable_weights_message(folder: Path, error: Exception) -> str:
         f"Cannot read {where} ({error}): the file is truncated or corrupt (an interrupted save or copy?); "
         "save or download the checkpoint again."
     )
+
+
+@dataclass
+class ZooModelOutput(BaseModelOutputWithPast):
+    """The trunk's output, with the auxiliary losses its `run_layers` returned ({} if none)."""
+
+    aux_losses: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class ZooCausalLMOutput(CausalLMOutputWithPast):
+    """`loss` = `lm_loss` + sum of `aux_losses` (when labels are given); the parts are kept apart so that a
+    trainer can log them separately. `aux_losses` is {} for architectures without any."""
+
+    lm_loss: torch.FloatTensor | None = None
+    aux_losses: dict[str, torch.Tensor] | None = None
 
 
 class ZooPreTrainedModel(PreTrainedModel):
@@ -188,21 +218,53 @@ class ZooPreTrainedModel(PreTrainedModel):
 
 
 class ZooDecoderModel(ZooPreTrainedModel):
-    """Embedding -> decoder layers -> final RMSNorm. Subclasses give `make_layer`, maybe `run_layers`."""
+    """Embedding -> decoder layers -> final RMSNorm. Subclasses give `make_layer`, maybe the other hooks
+    (module docstring)."""
 
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.rope_parameters, config.head_dim)
+        self.rotary_emb = self.make_rotary(config)  # None: no RoPE anywhere in the model
         self.post_init()
 
     def make_layer(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 
-    def run_layers(self, hidden_states, position_embeddings, attention_mask, cache) -> torch.Tensor:
-        """The standard pre-norm residual stream: one layer after another."""
+    def make_rotary(self, config) -> RotaryEmbedding | None:
+        """RoPE over each head's full `head_dim` (Llama). Return a RotaryEmbedding of another dimension
+        (e.g. only a decoupled key's d_r dims), or None when no layer uses rotary embeddings."""
+        return RotaryEmbedding(config.rope_parameters, config.head_dim)
+
+    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> Cache:
+        """A fresh, empty cache for this model (the one hook where caches are made: `forward` with
+        `use_cache` and no cache, and `generate()`).
+
+        `batch_size` and `max_cache_len` (rows, and the most tokens it will hold; None = unknown) are for
+        caches that allocate up front; the default, one growing `DynamicLayer` per model layer, needs
+        neither. Override to return any `Cache` subclass: a recurrent state per layer, a latent KV cache,
+        several cache layers per model layer, ... Under tensor parallelism it is made after sharding, so it
+        holds this rank's share (e.g. its KV heads).
+        """
+        return DynamicCache(config=self.config)
+
+    def sequence_offset(self, q_len: int) -> int:
+        """How many tokens of each sequence come before this forward's `q_len` (not counting the cache).
+
+        0 on one device. Under sequence parallelism rank r of P holds tokens [r*N/P, (r+1)*N/P) of each
+        sequence, so its layout returns r * q_len: the trunk then starts positions at past_len + that and
+        shifts the causal mask's diagonal to match (see `forward`).
+        """
+        return 0
+
+    def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
+        """The standard pre-norm residual stream: one layer after another.
+
+        Returns the hidden states; an architecture with auxiliary losses (a router's load balance, ...)
+        returns `(hidden_states, {name: scalar loss})`, each loss already weighted: the LM head adds them
+        to the loss as they are.
+        """
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache)
         return hidden_states
@@ -213,7 +275,7 @@ class ZooDecoderModel(ZooPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, past_len: int) -> None:
+    def _check_inputs(self, input_ids, inputs_embeds, past_len: int, seq_offset: int = 0) -> None:
         """One clear error for inputs that would fail deep inside the forward, or silently misbehave.
 
         Shape checks are free. The token-id range needs the ids' values, which on CUDA means a sync:
@@ -246,12 +308,13 @@ class ZooDecoderModel(ZooPreTrainedModel):
                 )
         # RoPE extrapolates past max_position_embeddings without failing, but the model was not trained
         # there: say so once per model, not on every decode step.
-        total = past_len + q_len
+        total = past_len + seq_offset + q_len
         limit = self.config.max_position_embeddings
         if total > limit and not compiling and not getattr(self, "_warned_long_input", False):
             self._warned_long_input = True
+            before = f"{past_len} cached + {seq_offset} preceding" if seq_offset else f"{past_len} cached"
             warnings.warn(
-                f"The input reaches position {total} ({past_len} cached + {q_len} new tokens), beyond "
+                f"The input reaches position {total} ({before} + {q_len} new tokens), beyond "
                 f"max_position_embeddings={limit}; outputs past position {limit} are extrapolated. Keep "
                 f"inputs within {limit} tokens (warned once per model).",
                 stacklevel=3,
@@ -265,26 +328,44 @@ class ZooDecoderModel(ZooPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        seq_offset: int | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> ZooModelOutput:
+        """`seq_offset`: tokens of each sequence before this chunk that are not in the cache (default:
+        `sequence_offset(q_len)`, 0 on one device). Positions start at past_len + seq_offset, and the mask
+        covers past_len + seq_offset + q_len keys with the diagonal shifted to match (`make_causal_mask`):
+        the chunk attends at its global positions. Bringing in the K/V (or states) of the preceding tokens
+        -- all-gathered over the sequence-parallel group, say -- is the architecture's business; the
+        trunk only offsets positions and the mask. Explicit `position_ids` are used as given.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
         past_len = cache.get_seq_length() if cache is not None else 0
-        self._check_inputs(input_ids, inputs_embeds, past_len)
+        x = input_ids if input_ids is not None else inputs_embeds
+        if seq_offset is None:  # (a malformed x is refused just below, by _check_inputs)
+            seq_offset = self.sequence_offset(x.shape[1] if x.dim() > 1 else 0)
+        if isinstance(seq_offset, bool) or not isinstance(seq_offset, int) or seq_offset < 0:
+            raise ValueError(
+                f"seq_offset={seq_offset!r} must be a non-negative int: the number of tokens of each sequence "
+                "before this chunk (under sequence parallelism, rank r of P holding tokens [r*N/P, (r+1)*N/P): r*N/P)."
+            )
+        self._check_inputs(input_ids, inputs_embeds, past_len, seq_offset)
+        batch, q_len = x.shape[:2]
+        if use_cache and cache is None:
+            cache = self.make_cache(batch_size=batch)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        q_len = inputs_embeds.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + q_len, device=inputs_embeds.device)[None]
+            start = past_len + seq_offset
+            position_ids = torch.arange(start, start + q_len, device=inputs_embeds.device)[None]
         mask = make_causal_mask(
-            attention_mask, q_len, past_len, inputs_embeds.device, batch_size=inputs_embeds.shape[0]
+            attention_mask, q_len, past_len, inputs_embeds.device, batch_size=batch, q_offset=seq_offset
         )
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        hidden_states = self.run_layers(inputs_embeds, position_embeddings, mask, cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        position_embeddings = None if self.rotary_emb is None else self.rotary_emb(inputs_embeds, position_ids)
+        out = self.run_layers(inputs_embeds, position_embeddings, mask, cache)
+        hidden_states, aux_losses = out if isinstance(out, tuple) else (out, {})
+        return ZooModelOutput(last_hidden_state=self.norm(hidden_states), cache=cache, aux_losses=aux_losses)
 
 
 class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
@@ -322,8 +403,9 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        seq_offset: int | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> ZooCausalLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -331,6 +413,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            seq_offset=seq_offset,
         )
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -338,7 +421,34 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         elif isinstance(logits_to_keep, torch.Tensor):
             hidden_states = hidden_states[:, logits_to_keep]
         logits = self.lm_head(hidden_states)
-        loss = None
+        loss = lm_loss = None
+        aux_losses = outputs.aux_losses
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+            lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = lm_loss + sum(aux_losses.values()) if aux_losses else lm_loss
+        return ZooCausalLMOutput(loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, aux_losses=aux_losses)
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ) -> None:
+        """`generate()`'s cache: the trunk's `make_cache`, where transformers would build its default
+        `DynamicCache(config=...)` (which has no place for an architecture's own cache).
+
+        A cache passed by the caller, `use_cache=False` and an explicit `cache_implementation` ("static",
+        "offloaded", "quantized", ...) keep transformers' handling (transformers 5.x GenerationMixin).
+        """
+        own = (
+            model_kwargs.get("cache") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        )
+        if not own:
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        # Beams and returned sequences each take a row, as in transformers' own sizing of static caches.
+        rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+        cache = self.model.make_cache(batch_size=rows, max_cache_len=max_cache_length)
+        if generation_config.is_assistant:  # assisted decoding rolls the assistant's cache back
+            cache.activate_past_recording()
+        model_kwargs["cache"] = cache

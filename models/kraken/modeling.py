@@ -12,12 +12,13 @@ Stream i, as in the spec (S is the sum of all k streams of the previous layer):
 
 In one process all k streams are local, so their local sum is S and the all-reduce is the identity;
 after `parallel.parallelize` at TP degree k rank i holds stream i alone and the all-reduce sums over
-ranks. Each stream is a Llama decoder block, with its names: `model.layers.{l}.streams.{i}.self_attn...`.
+ranks. Each stream is a Llama decoder block (the shared pre-norm block), with its names:
+`model.layers.{l}.streams.{i}.self_attn...`.
 
 KV cache: stream i of layer l has its own cache layer, l * k + i (under TP, where rank i holds one
-stream per layer, l). transformers sizes `DynamicCache(config=...)` by `num_hidden_layers` (one cache
-layer per model layer; `layer_types` would have to have that length too), both in our base forward and
-in `generate()`, so `run_layers` tops such a cache up to the model's L * k cache layers.
+stream per layer, l). The model's `make_cache` hook (used by forward and `generate()`) makes a
+DynamicCache of that many layers; a cache made by the caller the transformers way,
+`DynamicCache(config=...)`, has one layer per model layer, so `run_layers` tops it up.
 """
 
 import math
@@ -25,13 +26,12 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from models.common import ZooDecoderModel, ZooForCausalLM
+from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
 from models.kraken.configuration import ZooKrakenConfig
 from models.kraken.sharding import PLAN, check_layout
-from models.llama.modeling import LlamaDecoderLayer, ZooLlamaPreTrainedModel
 from parallel import comm
 
 
@@ -43,10 +43,10 @@ class KrakenDecoderLayer(nn.Module):
         k = config.kraken_degree
         # Keyed by stream index (not a ModuleList) so that a rank can hold stream i alone under its own
         # name: checkpoints and gradients then line up with the one-process model's.
-        self.streams = nn.ModuleDict({str(i): LlamaDecoderLayer(config, layer_idx * k + i) for i in range(k)})
+        self.streams = nn.ModuleDict({str(i): PreNormDecoderLayer(config, layer_idx * k + i) for i in range(k)})
 
 
-class ZooKrakenPreTrainedModel(ZooLlamaPreTrainedModel):
+class ZooKrakenPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooKrakenConfig
     config: ZooKrakenConfig
     _no_split_modules = ["KrakenDecoderLayer"]
@@ -82,9 +82,16 @@ class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
         return KrakenDecoderLayer(config, layer_idx)
 
+    def num_cache_layers(self) -> int:
+        """One cache layer per stream this process holds in every layer: L * k, or L under TP."""
+        return sum(len(layer.streams) for layer in self.layers)
+
+    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> Cache:
+        return _reserve_cache_layers(DynamicCache(config=self.config), self.num_cache_layers())
+
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
         group, rope, mask = self.tp_group, position_embeddings, attention_mask
-        _reserve_cache_layers(cache, sum(len(layer.streams) for layer in self.layers))
+        _reserve_cache_layers(cache, self.num_cache_layers())  # a cache the caller made (make_cache's fits)
         # Every stream reads the replicated embedding, each its own way: f sums the gradients over ranks.
         x0 = comm.copy_to_tp_region(hidden_states, group)
         first, *rest = self.layers
@@ -109,16 +116,17 @@ class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
         return comm.all_reduce(partial, group).wait() + self.conjunction_bias
 
 
-def _reserve_cache_layers(cache: Cache | None, n: int) -> None:
+def _reserve_cache_layers(cache: Cache | None, n: int) -> Cache | None:
     """Grow a cache sized one layer per model layer to the `n` (layers x local streams) the model uses."""
     if cache is None or len(cache.layers) >= n:
-        return
+        return cache
     if not all(type(layer) is DynamicLayer for layer in cache.layers):
         raise ValueError(
             f"Kraken needs {n} KV-cache layers (one per stream of every layer) but got a {type(cache).__name__} "
             f"with {len(cache.layers)}; use a DynamicCache (the default)."
         )
     cache.layers.extend(DynamicLayer() for _ in range(n - len(cache.layers)))
+    return cache
 
 
 class ZooKrakenForCausalLM(ZooKrakenPreTrainedModel, ZooForCausalLM):

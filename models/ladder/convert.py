@@ -1,13 +1,16 @@
 """Llama -> Ladder conversion: same weights, the last `ladder_layers` layers rewired.
 
 Works from a Hugging Face `LlamaForCausalLM` directory or a zoo `llama` (or `ladder`) checkpoint:
-the state-dict names are identical, so nothing is renamed; only the config changes.
+the state-dict names are identical, so nothing is renamed; only the config changes. `LLAMA_TO_LADDER`
+is the converter `train.convert` runs (`python -m train.convert source=DIR ladder_layers=N`).
 """
 
 import json
 from pathlib import Path
 
+from models.ladder.configuration import ZooLadderConfig
 from models.ladder.modeling import ZooLadderForCausalLM
+from models.registry import Converter
 
 CONVERTIBLE = ("llama", "zoo_llama", "zoo_ladder")
 
@@ -16,8 +19,36 @@ def llama_to_ladder(source: str | Path, ladder_layers: int | list[int], **kwargs
     """Load a Llama checkpoint directory as a Ladder model with `ladder_layers` laddered."""
     config_file = Path(source) / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"No config.json in {source}; pass the directory of a saved Llama checkpoint.")
+        raise FileNotFoundError(
+            f"No config.json in {source}; pass the directory of a saved Llama checkpoint."
+        )
     model_type = json.loads(config_file.read_text()).get("model_type")
     if model_type not in CONVERTIBLE:
-        raise ValueError(f"Checkpoint {source} has model_type={model_type!r}; Ladder converts from {CONVERTIBLE}.")
+        raise ValueError(
+            f"Checkpoint {source} has model_type={model_type!r}; Ladder converts from {CONVERTIBLE}."
+        )
     return ZooLadderForCausalLM.from_pretrained(source, ladder_layers=ladder_layers, **kwargs)
+
+
+def check_ladder_layers(source: str | Path, ladder_layers: int | list[int]) -> None:
+    """The Ladder config's own checks (ladder_layers in range for this checkpoint's layers), from the
+    checkpoint's config alone: nothing is loaded."""
+    ZooLadderConfig.from_pretrained(source, ladder_layers=ladder_layers)
+
+
+def summary(model: ZooLadderForCausalLM) -> dict:
+    return {"ladder_layers": model.config.ladder_layers, "num_hidden_layers": model.config.num_hidden_layers}
+
+
+LLAMA_TO_LADDER = Converter(
+    name="llama_to_ladder",
+    source="llama",
+    source_types=CONVERTIBLE,
+    source_title="Llama",
+    target="ladder",
+    target_title="Ladder",
+    convert=llama_to_ladder,
+    options=("ladder_layers",),
+    check=check_ladder_layers,
+    summary=summary,
+)

@@ -7,24 +7,29 @@ previous sub-blocks' all-reduces, still in flight):
     x = x + m_prev.wait();  m_prev = all_reduce_async(MLP_i(LN2_i(x)))
 
 so each all-reduce runs while the next sub-block computes. Non-laddered layers are standard Llama
-layers. Without a process group the all-reduces are identities and this is still the Ladder model.
+layers (the shared pre-norm block). Without a process group the all-reduces are identities and this is
+still the Ladder model.
 """
 
-from models.common import ZooDecoderModel, ZooForCausalLM
+from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.ladder.configuration import ZooLadderConfig
-from models.ladder.sharding import PLAN
-from models.llama.modeling import LlamaDecoderLayer, ZooLlamaPreTrainedModel
+from models.ladder.sharding import PLAN, check_layout
 from parallel import comm
 
 
-class ZooLadderPreTrainedModel(ZooLlamaPreTrainedModel):
+class ZooLadderPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooLadderConfig
     config: ZooLadderConfig
+    _no_split_modules = ["PreNormDecoderLayer"]
+
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One clear error unless the mesh degrees fit the shard layout (Llama's; `parallel.parallelize` asks)."""
+        check_layout(self.config, degrees)
 
 
 class ZooLadderModel(ZooLadderPreTrainedModel, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
-        return LlamaDecoderLayer(config, layer_idx)
+        return PreNormDecoderLayer(config, layer_idx)
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
         x = hidden_states
@@ -51,4 +56,4 @@ def _add(x, pending: "comm.Handle | None"):
 
 class ZooLadderForCausalLM(ZooLadderPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLadderModel
-    shard_plan = PLAN  # check_layout: Llama's (inherited)
+    shard_plan = PLAN

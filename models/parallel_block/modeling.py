@@ -2,10 +2,9 @@
 
 from torch import nn
 
-from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM
-from models.llama.modeling import ZooLlamaPreTrainedModel
+from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.parallel_block.configuration import ZooParallelConfig
-from models.parallel_block.sharding import PLAN
+from models.parallel_block.sharding import PLAN, check_layout
 from parallel import comm
 
 
@@ -23,10 +22,14 @@ class ParallelDecoderLayer(nn.Module):
         return hidden_states + comm.all_reduce(partial, self.tp_group).wait()
 
 
-class ZooParallelPreTrainedModel(ZooLlamaPreTrainedModel):
+class ZooParallelPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooParallelConfig
     config: ZooParallelConfig
     _no_split_modules = ["ParallelDecoderLayer"]
+
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One clear error unless the mesh degrees fit the shard layout (Llama's; `parallel.parallelize` asks)."""
+        check_layout(self.config, degrees)
 
 
 class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):
@@ -36,4 +39,4 @@ class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):
 
 class ZooParallelForCausalLM(ZooParallelPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooParallelModel
-    shard_plan = PLAN  # check_layout: Llama's (inherited)
+    shard_plan = PLAN

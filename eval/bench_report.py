@@ -1,0 +1,309 @@
+"""What the speed benchmark's rows mean and how they are shown: comparisons, tables, plots, notes, W&B.
+
+`eval.bench` measures and hands its rows here. A row is one architecture at one set of mesh degrees
+(`{"tp": 2}`), one variant (simulated link, upper bound, real, real upper bound) and one batch size.
+This module adds the speed-up over the baseline architecture and the hidden fraction
+(T_base - T_arch) / (T_base - T_upper_bound) to each row, and writes README.md (tables), PNG plots and,
+if asked, a W&B run. It knows nothing about any architecture: archs are names in the rows.
+"""
+
+import math
+from pathlib import Path
+
+from eval import report
+
+# --- degrees -----------------------------------------------------------------------------------
+
+
+def degrees_key(degrees: dict[str, int]) -> tuple:
+    """A hashable, order-free form of a degrees dict, to index rows by."""
+    return tuple(sorted(degrees.items()))
+
+
+def degrees_label(degrees: dict[str, int], sep: str = "=") -> str:
+    """`tp=2` (tables), `tp2` (W&B keys, with sep=""); several dimensions joined by commas / dashes."""
+    return ("," if sep else "-").join(f"{dim}{sep}{n}" for dim, n in sorted(degrees.items()))
+
+
+def ranks(degrees: dict[str, int]) -> int:
+    """Processes a run at these degrees takes (the product of the degrees)."""
+    return math.prod(degrees.values())
+
+
+# --- derived numbers --------------------------------------------------------------------------
+
+
+def hidden_fraction(t_base: float, t_arch: float, t_upper: float, min_comm_fraction: float = 0.01) -> float | None:
+    """(T_base - T_arch) / (T_base - T_upper): the share of the baseline's communication overhead that
+    the architecture removes. None when the baseline has (almost) no overhead to hide: a denominator
+    below `min_comm_fraction` of T_base is noise, not communication."""
+    gap = t_base - t_upper
+    if gap <= min_comm_fraction * t_base:
+        return None
+    return (t_base - t_arch) / gap
+
+
+UPPER_BOUND_OF = {"simulated": "upper_bound", "real": "upper_bound_real"}
+
+
+def add_comparisons(rows: list[dict], baseline: str, min_comm_fraction: float) -> None:
+    """Speed-up over the baseline arch in the same variant, and hidden fractions, added in place."""
+
+    def key(arch, r, variant, link):
+        return (arch, degrees_key(r["degrees"]), variant, link, r["batch"])
+
+    index = {key(r["arch"], r, r["variant"], r["link"]): r for r in rows}
+    for r in rows:
+        base = index.get(key(baseline, r, r["variant"], r["link"]))
+        r["speedup_prefill"] = base["prefill_ms"] / r["prefill_ms"] if base else None
+        r["speedup_decode"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
+        r["hidden_fraction_prefill"] = r["hidden_fraction_decode"] = None
+        r["exposed_hidden_fraction_decode"] = None
+        upper = index.get(key(baseline, r, UPPER_BOUND_OF.get(r["variant"]), None))
+        if base is None or upper is None or r["arch"] == baseline:
+            continue
+        r["hidden_fraction_prefill"] = hidden_fraction(
+            base["prefill_ms"], r["prefill_ms"], upper["prefill_ms"], min_comm_fraction
+        )
+        r["hidden_fraction_decode"] = hidden_fraction(
+            base["decode_ms_per_step"], r["decode_ms_per_step"], upper["decode_ms_per_step"], min_comm_fraction
+        )
+        # Simulated only: the same question asked of the virtual clock's exposed communication, which
+        # does not depend on compute-time noise between architectures.
+        if r.get("decode_exposed_ms") is not None and base.get("decode_exposed_ms"):
+            r["exposed_hidden_fraction_decode"] = 1 - r["decode_exposed_ms"] / base["decode_exposed_ms"]
+
+
+# --- tables and plots -------------------------------------------------------------------------
+
+TABLE_COLUMNS = [
+    ("arch", "arch"),
+    ("degrees", "degrees"),
+    ("batch", "batch"),
+    ("prefill_ms", "prefill ms"),
+    ("prefill_spread", "prefill min-max"),
+    ("decode_tok_s", "decode tok/s"),
+    ("decode_spread", "decode tok/s min-max"),
+    ("speedup_decode", "decode speed-up"),
+    ("speedup_prefill", "prefill speed-up"),
+    ("hidden_fraction_decode", "hidden (decode)"),
+    ("hidden_fraction_prefill", "hidden (prefill)"),
+    ("decode_comm_calls", "calls/step"),
+    ("decode_comm_bytes", "bytes/step"),
+    ("prefill_comm_bytes", "bytes/prefill"),
+]
+SIMULATED_COLUMNS = [
+    ("decode_exposed_ms", "exposed ms/step"),
+    ("decode_comm_busy_ms", "link busy ms/step"),
+    ("decode_exposed_share", "exposed / link busy"),
+    ("exposed_hidden_fraction_decode", "hidden (exposed, decode)"),
+]
+# Plots: the files `make_plots` writes (eval.tour copies some of them into its report).
+PLOTS = ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction", "hidden_fraction_exposed")
+
+
+def variant_key(row: dict) -> str:
+    return f"{row['variant']}:{row['link']}" if row["link"] else row["variant"]
+
+
+def display_rows(rows: list[dict]) -> list[dict]:
+    """Rows as tables show them: degrees as `tp=2`, min-max spreads as one cell."""
+    shown = []
+    for r in rows:
+        d = dict(r)
+        d["degrees"] = degrees_label(r["degrees"])
+        d["prefill_spread"] = f"{r['prefill_ms_min']:.4g}-{r['prefill_ms_max']:.4g}"
+        d["decode_spread"] = f"{r['decode_tok_s_min']:.4g}-{r['decode_tok_s_max']:.4g}"
+        shown.append(d)
+    return shown
+
+
+def _degree_axis(rows: list[dict]) -> str:
+    dims = sorted({dim for r in rows for dim in r["degrees"]})
+    return f"{dims[0]} degree" if len(dims) == 1 else f"ranks ({' x '.join(dims)})"
+
+
+def make_plots(rows: list[dict], archs: list[str], baseline: str, out_dir: Path) -> dict[str, Path]:
+    """Decode speed-up vs batch and vs degree (ranks), hidden fraction per architecture vs batch; one panel
+    per variant (upper-bound variants are the reference, not plotted)."""
+    variants = [v for v in dict.fromkeys(variant_key(r) for r in rows) if not v.startswith("upper_bound")]
+    others = [a for a in archs if a != baseline]
+
+    def pick(sel, arch, degrees, batch, key):
+        for r in sel:
+            if r["arch"] == arch and degrees_key(r["degrees"]) == degrees and r["batch"] == batch:
+                return r.get(key)
+        return None
+
+    def panels(key, x_axis, only=None):
+        out = {}
+        for v in variants:
+            if only and not v.startswith(only):
+                continue
+            sel = [r for r in rows if variant_key(r) == v]
+            points = sorted({degrees_key(r["degrees"]) for r in sel}, key=lambda k: ranks(dict(k)))
+            batches = sorted({r["batch"] for r in sel})
+            if x_axis == "batch":
+                out[v] = {
+                    f"{a} {degrees_label(dict(d))}": (batches, [pick(sel, a, d, b, key) for b in batches])
+                    for a in others
+                    for d in points
+                }
+            else:
+                xs = [ranks(dict(d)) for d in points]
+                out[v] = {f"{a} b{b}": (xs, [pick(sel, a, d, b, key) for d in points]) for a in others for b in batches}
+        return out
+
+    plots = {
+        "speedup_vs_batch": (panels("speedup_decode", "batch"), "batch size", f"decode speed-up over {baseline}"),
+        "speedup_vs_degree": (panels("speedup_decode", "degree"), _degree_axis(rows), f"decode speed-up over {baseline}"),
+        "hidden_fraction": (
+            panels("hidden_fraction_decode", "batch"),
+            "batch size",
+            f"hidden fraction (decode) vs {baseline}",
+        ),
+        "hidden_fraction_exposed": (
+            panels("exposed_hidden_fraction_decode", "batch", only="simulated"),
+            "batch size",
+            "hidden fraction of exposed comm (decode)",
+        ),
+    }
+    images = {}
+    for name, (data, xlabel, ylabel) in plots.items():
+        if data:
+            images[name] = report.plot_lines(
+                out_dir / f"{name}.png", data, xlabel=xlabel, ylabel=ylabel, hline=1.0, logx=True
+            )
+    return images
+
+
+# --- notes ------------------------------------------------------------------------------------
+
+
+def notes_for(cfg: dict, device_type: str, hw: dict) -> list[str]:
+    notes = [
+        "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
+        "they show what each schedule hides on that link, not what this machine would do with P devices."
+    ]
+    if cfg["real"]["enabled"] and device_type == "cpu" and cfg["real"]["tp"]:
+        p, cores, threads = max(cfg["real"]["tp"]), hw["cpu_cores"], hw["torch_threads"]
+        if cores < p * (threads + 1):
+            notes.append(
+                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores. "
+                "gloo's communication thread has no free core here, so an asynchronous all-reduce cannot run "
+                "while the next sub-block computes: these rows measure gloo's cost on this box, not what an "
+                "architecture can hide, and claim nothing about overlap."
+            )
+        else:
+            notes.append(
+                f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores, "
+                "leaving a core per rank for gloo's communication thread; gloo on CPU is still no model of NCCL."
+            )
+    if hw["load_average_1m"] > 0.5 * hw["cpu_cores"]:
+        notes.append(
+            f"The machine was shared (load average {hw['load_average_1m']:.2f} on {hw['cpu_cores']} cores at "
+            "the start): timings are noisy; compare the min-max spreads before reading small differences."
+        )
+    return notes
+
+
+def clock_note(rows: list[dict], baseline: str) -> str | None:
+    """A warning when the virtual clock let the baseline hide communication it waits for at once."""
+    shares = [
+        r["decode_exposed_share"]
+        for r in rows
+        if r["arch"] == baseline and r["variant"] == "simulated" and r.get("decode_exposed_share") is not None
+    ]
+    if not shares or min(shares) >= 0.9:
+        return None
+    return (
+        f"On the virtual clock `{baseline}` left only {min(shares):.0%}-{max(shares):.0%} of its link time exposed "
+        "(decode), though it waits for every all-reduce at once (should be 100%): the clock counted the Python "
+        "time between issuing a collective and waiting for it as compute, which covers short transfers. The "
+        "simulated rows understate the baseline's communication cost, so their speed-ups and hidden fractions "
+        "are too small (or n/a)."
+    )
+
+
+# --- files and W&B ------------------------------------------------------------------------------
+
+
+def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
+    cfg, hw, rows = results["settings"], results["hardware"], results["rows"]
+    points = ", ".join(degrees_label(d) for d in results["degrees"])
+    lines = [
+        f"# Speed benchmark: {cfg['bench_shape']['name']} shape",
+        "",
+        f"`{results['command'] or 'eval.bench.run_bench(...)'}`",
+        "",
+        f"Architectures {', '.join(cfg['archs'])} (baseline `{cfg['baseline']}`), degrees {points}, "
+        f"batch {cfg['batch_sizes']}, prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} generated "
+        f"({cfg['new_tokens'] - 1} decode steps), {cfg['warmup']} warm-up + {cfg['repeats']} timed repeats "
+        f"(median, min-max), dtype {results['dtype']}, compile={cfg['compile']}.",
+        "",
+        f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
+        f"{hw['load_average_1m']:.2f} at start), torch {hw['torch']}, transformers {hw['transformers']}.",
+        "",
+        "- **decode tok/s** = batch x decode steps / decode time; **prefill ms** = time to first token.",
+        f"- **speed-up** = the architecture over `{cfg['baseline']}` in the same variant, degrees and batch.",
+        "- **hidden** = (T_base - T_arch) / (T_base - T_upper_bound), T = prefill time or time per decode "
+        f"step, T_upper_bound = `{cfg['baseline']}` without collectives (`upper_bound` for simulated rows, "
+        "`upper_bound_real` for real rows); n/a when T_base - T_upper_bound is below "
+        f"{cfg['min_comm_fraction']:.0%} of T_base.",
+        "- **hidden (exposed)** (simulated only) = 1 - exposed_arch / exposed_base on the virtual clock: "
+        "the same question without compute-time noise between architectures.",
+        "- **exposed / link busy** (simulated only): the share of the link's time that was not covered by compute. "
+        f"`{cfg['baseline']}` waits every collective at once, so its share should be 1: a lower value is Python "
+        "time between issuing a collective and waiting for it that the virtual clock counted as compute.",
+        "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
+        "",
+    ]
+    for note in results["notes"]:
+        lines.append(f"> {note}")
+        lines.append("")
+    for v in dict.fromkeys(variant_key(r) for r in rows):
+        sel = [r for r in rows if variant_key(r) == v]
+        cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
+        lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
+    lines += ["## Link presets", ""]
+    lines.append(
+        report.write_markdown_table(
+            results["links"], [("name", "preset"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
+        )
+    )
+    for name, path in images.items():
+        lines += [f"![{name}]({path.name})", ""]
+    if results["skipped"]:
+        lines += ["## Skipped", ""] + [f"- {s}" for s in results["skipped"]] + [""]
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
+    """results.json, the plots and README.md under `out_dir`; returns the plots {name: path}."""
+    report.write_json(out_dir / "results.json", results)
+    cfg = results["settings"]
+    images = make_plots(results["rows"], list(cfg["archs"]), cfg["baseline"], out_dir)
+    write_readme(results, images, out_dir)
+    return images
+
+
+def log_to_wandb(results: dict, images: dict[str, Path], out_dir: Path, wandb_cfg: dict) -> None:
+    rows = display_rows(results["rows"])
+    columns = ["variant", "link"] + [k for k, _ in TABLE_COLUMNS + SIMULATED_COLUMNS]
+    summary = {}
+    for r in results["rows"]:
+        key = f"{r['arch']}/{degrees_label(r['degrees'], sep='')}/{variant_key(r)}/b{r['batch']}"
+        for m in ("decode_tok_s", "prefill_ms", "speedup_decode", "hidden_fraction_decode"):
+            summary[f"{key}/{m}"] = r[m]
+    report.log_to_wandb(
+        out_dir,
+        project=wandb_cfg.get("project", "overlap-zoo"),
+        name=wandb_cfg.get("name", "bench"),
+        tags=wandb_cfg.get("tags") or [],
+        config={k: v for k, v in results.items() if k in ("settings", "hardware", "dtype", "links", "degrees")},
+        summary=summary,
+        tables={"bench/results": (columns, rows)},
+        images={f"bench/{k}": v for k, v in images.items()},
+    )
