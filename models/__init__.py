@@ -11,6 +11,12 @@ from models.ladder.convert import LLAMA_TO_LADDER
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
 from models.llama import entry as llama_entry
 from models.llama import sharding as llama_sharding
+from models.moe import ZooMoeConfig, ZooMoeForCausalLM, ZooMoeModel
+from models.moe import entry as moe_entry
+from models.moe import sharding as moe_sharding
+from models.moepp import ZooMoeppConfig, ZooMoeppForCausalLM, ZooMoeppModel
+from models.moepp import entry as moepp_entry
+from models.moepp import sharding as moepp_sharding
 from models.parallel_block import ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel
 from models.parallel_block import entry as parallel_entry
 from models.parallel_block import sharding as parallel_sharding
@@ -27,6 +33,9 @@ from models.registry import (
     register,
     register_converter,
 )
+from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
+from models.scmoe import entry as scmoe_entry
+from models.scmoe import sharding as scmoe_sharding
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
 TINY_LLAMA = dict(
@@ -83,6 +92,49 @@ register(
     fit_degrees=kraken_entry.fit_degrees,
     bench_config=kraken_entry.bench_config,
     collectives_per_forward=kraken_entry.collectives_per_forward,
+)
+# Tiny MoE: 4 experts of the tiny llama's MLP width, top-2, in every other layer (GShard / Switch, and the
+# dense + MoE pairs ScMoE compares against).
+register(
+    "moe",
+    ZooMoeConfig,
+    ZooMoeForCausalLM,
+    ZooMoeModel,
+    tiny_config={**TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": 2},
+    sharding=moe_sharding,
+    bench_config=moe_entry.bench_config,
+    collectives_per_forward=moe_entry.collectives_per_forward,
+)
+
+# Tiny ScMoE: two (dense, MoE) pairs (Position 2), 4 routed experts top-1 plus a shared expert, each of the
+# tiny llama's MLP width (the compute per token of the tiny moe's top-2).
+register(
+    "scmoe",
+    ZooScMoeConfig,
+    ZooScMoeForCausalLM,
+    ZooScMoeModel,
+    tiny_config={**TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 1},
+    sharding=scmoe_sharding,
+    bench_config=scmoe_entry.bench_config,
+    collectives_per_forward=scmoe_entry.collectives_per_forward,
+)
+# Tiny MoE++: every layer 4 FFN experts (the tiny moe's) + 1 zero, 1 copy and 2 constant experts, top-2.
+register(
+    "moepp",
+    ZooMoeppConfig,
+    ZooMoeppForCausalLM,
+    ZooMoeppModel,
+    tiny_config={
+        **TINY_LLAMA,
+        "num_local_experts": 4,
+        "num_zero_experts": 1,
+        "num_copy_experts": 1,
+        "num_constant_experts": 2,
+        "num_experts_per_tok": 2,
+    },
+    sharding=moepp_sharding,
+    bench_config=moepp_entry.bench_config,
+    collectives_per_forward=moepp_entry.collectives_per_forward,
 )
 
 register_converter(LLAMA_TO_LADDER)

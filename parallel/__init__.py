@@ -1,7 +1,8 @@
 """Parallelism: meshes and process groups, communication (real / none / simulated link), shard layouts
-(`parallel.layout`; the tensor-parallel roles in `parallel.tp`) and unsharded state (`parallel.state`)."""
+(`parallel.layout`; the tensor-parallel roles in `parallel.tp`, the expert-parallel ones in `parallel.ep`)
+and unsharded state (`parallel.state`)."""
 
-from parallel import comm, tp  # noqa: F401 (importing tp registers the tensor-parallel roles)
+from parallel import comm, ep, tp  # noqa: F401 (importing tp and ep registers their shard roles)
 from parallel.layout import MeshDim, ShardSpec, parallelize, register_role, shard_specs
 from parallel.mesh import init_mesh, mesh_group
 

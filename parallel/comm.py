@@ -8,7 +8,8 @@ function is the identity and nothing is counted.
 Collectives: `all_reduce`, `all_gather`, `reduce_scatter`, and `all_to_all` with equal splits or with
 unequal per-rank row counts (`send_splits` / `recv_splits`, rows along dim 0; what expert parallelism
 needs to send each expert's tokens to the rank holding it). `exchange_splits` tells every rank how
-many rows it will receive from each peer (a small blocking all-to-all of the counts).
+many rows it will receive from each peer (a small blocking all-to-all of the counts: one per peer,
+or a row per peer, e.g. one count per expert the peer holds).
 
 Modes (`set_mode`, or the `use_mode` context manager):
 - `real`: torch.distributed collectives (gloo on CPU, nccl on CUDA), `async_op=True`.
@@ -365,23 +366,28 @@ def all_to_all(x: torch.Tensor, group, send_splits=None, recv_splits=None) -> Ha
     return Handle(out, box.work, box.ready_at)
 
 
-def exchange_splits(send_splits, group) -> list[int]:
+def exchange_splits(send_splits, group) -> list[int] | list[list[int]]:
     """Given how many rows this rank sends to each rank of `group`, return how many it receives from
     each (an all-to-all of the counts, waited at once: the counts size the receive buffer).
+
+    `send_splits` may also be P rows of m counts each (a [P, m] tensor or P lists of m ints; expert
+    parallelism sends the token count of each of rank i's m local experts): row i goes to rank i, and the
+    result is P rows of m, row i received from rank i (still one all-to-all, of P*m counts).
 
     `none` and `simulated` modes return the send counts (peers taken to send back what they receive).
     """
     p = dist.get_world_size(group) if group is not None else 1
-    send = _splits(send_splits, p, "send_splits")
+    rows = _count_rows(send_splits, p)
+    send = [n for row in rows for n in row] if rows is not None else _splits(send_splits, p, "send_splits")
     if send is None:
         raise ValueError("exchange_splits needs the send counts, got None.")
     if not _active(group):
-        return send
-    # Timed and counted as an all-to-all of P int64 counts, under its own counter name.
-    ready_at = _record("all_to_all", 8 * p, group, counter="exchange_splits")
+        return rows if rows is not None else send
+    # Timed and counted as an all-to-all of the int64 counts, under its own counter name.
+    ready_at = _record("all_to_all", 8 * len(send), group, counter="exchange_splits")
     if _state.mode == "simulated":
         _state.clock.wait(ready_at)
-        return send
+        return rows if rows is not None else send
     if isinstance(send_splits, torch.Tensor):
         device = send_splits.device
     else:
@@ -389,7 +395,26 @@ def exchange_splits(send_splits, group) -> list[int]:
     counts = torch.tensor(send, dtype=torch.int64, device=device)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
+    if rows is not None:
+        return [[int(n) for n in row] for row in received.view(p, -1).tolist()]
     return [int(n) for n in received.tolist()]
+
+
+def _count_rows(splits, p: int) -> list[list[int]] | None:
+    """P rows of m non-negative counts (a [P, m] tensor or P sequences), or None if `splits` is not 2-D."""
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 2:
+            return None
+        splits = splits.tolist()
+    elif not (isinstance(splits, Sequence) and splits and isinstance(splits[0], Sequence | torch.Tensor)):
+        return None
+    rows = [_splits(row, len(row), "send_splits") for row in splits]
+    if len(rows) != p or len({len(row) for row in rows}) != 1:
+        raise ValueError(
+            f"send_splits must be {p} rows of equally many counts (one row per rank of the group), "
+            f"got rows of lengths {[len(row) for row in rows]}."
+        )
+    return rows
 
 
 def _splits(splits, p: int, name: str) -> list[int] | None:

@@ -44,13 +44,15 @@ def init_mesh(
     world_size: int | None = None,
     backend: str | None = None,
     fake: bool = False,
+    device_type: str | None = None,
 ) -> DeviceMesh:
     degrees = {"dp": dp, "ep": ep, "sp": sp, "tp": tp}
     for name, degree in degrees.items():
         if not isinstance(degree, int) or degree < 1:
             raise ValueError(f"Parallel degree {name}={degree!r} must be a positive integer.")
     size = math.prod(degrees.values())
-    device_type = "cuda" if torch.cuda.is_available() and not fake else "cpu"
+    # `device_type`: a launcher that picked the device itself (Lightning with accelerator=cpu on a CUDA machine).
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and not fake else "cpu")
     if fake:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -297,16 +297,17 @@ CASES = [
         id="tp2-on-one-device",
     ),
     pytest.param(
-        lambda c: check_config(c.pretrain("parallel=tp2", "trainer.num_nodes=2")),
+        lambda c: check_config(c.pretrain("parallel=tp2", "trainer.devices=2", "trainer.num_nodes=2")),
         ValueError,
         r"parallel\.tp=2 needs 2 processes, but trainer\.devices=2 x trainer\.num_nodes=2 starts 4",
         id="tp2-on-two-nodes",
     ),
     pytest.param(
-        lambda c: check_config(c.pretrain("parallel=tp2", "parallel.tp=4", "trainer.devices=4")),
+        lambda c: check_config(c.pretrain("parallel=tp2", "trainer=ddp")),
         ValueError,
-        r"parallel\.tp=4 but trainer\.strategy\.tensor_parallel_size=2; they must be equal",
-        id="tp-disagrees-with-strategy",
+        r"parallel\.tp=2 runs through train\.strategy\.ZooParallelStrategy, .* but trainer\.strategy is "
+        r"lightning\.pytorch\.strategies\.DDPStrategy; drop it",
+        id="tp-with-another-strategy",
     ),
     pytest.param(
         lambda c: check_config(c.pretrain("data.tokenizer=/no/such/tokenizer")),

@@ -69,7 +69,7 @@ def test_default_config():
     assert cfg.logger.wandb.offline and cfg.logger.wandb.save_dir == cfg.paths.output_dir
     assert cfg.callbacks.model_checkpoint.dirpath == f"{cfg.paths.output_dir}/checkpoints"
     assert cfg.callbacks.model_checkpoint.save_last
-    assert cfg.parallel.tp == 1
+    assert [cfg.parallel[d] for d in ("dp", "ep", "sp", "tp")] == [1, 1, 1, 1]
 
 
 def test_groups_found():

@@ -37,7 +37,8 @@ from tests.test_train import REPO, TINY, compose_pretrain, run_pretrain, subproc
 from train.callbacks import AtomicCheckpointIO
 from train.data import load_tokenizer
 from train.module import NonFiniteLossError, TrainingError, warmup_cosine
-from train.pretrain import checkpoint_problem, name_multirun_job, readable_checkpoint, train
+from train.pretrain import build_trainer, checkpoint_problem, name_multirun_job, readable_checkpoint, train
+from train.strategy import ZooParallelStrategy
 
 TP_TINY = [o.replace("num_key_value_heads=1", "num_key_value_heads=2") for o in TINY]
 
@@ -194,10 +195,9 @@ def test_unreadable_last_checkpoint_fails_or_falls_back(tmp_path):
 
 
 def test_atomic_checkpoint_io_and_collective_timeout_in_the_tp_trainer(tmp_path):
-    from hydra.utils import instantiate
-
     cfg = compose_pretrain([*TP_TINY, "parallel=tp2", "parallel.timeout_s=42"], tmp_path)
-    trainer = instantiate(cfg.trainer, precision="32-true", logger=False, _convert_="all")
+    trainer = build_trainer(cfg)
+    assert isinstance(trainer.strategy, ZooParallelStrategy)
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert trainer.strategy._timeout == timedelta(seconds=42)
 

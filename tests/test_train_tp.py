@@ -1,4 +1,4 @@
-"""Tensor-parallel training through the pretraining app (Lightning + TensorParallelStrategy, 2 gloo
+"""Tensor-parallel training through the pretraining app (Lightning + ZooParallelStrategy, 2 gloo
 processes): the loss curve of TP 2 matches TP 1 from the same seed, the checkpoint holds the unsharded
 weights, and the saved HF model equals the TP-1 one; then Llama -> Ladder conversion end to end."""
 

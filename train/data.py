@@ -526,11 +526,20 @@ class ResumableDataLoader(DataLoader):
         return {"epoch": self._epoch(), "batches_consumed": self.batches_consumed, **self._identity()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        mismatched = {
-            k: (state_dict.get(k), v)
-            for k, v in self._identity().items()
-            if k in state_dict and state_dict[k] != v
+        # Of batch_size and num_replicas only their product, the global batch, has to match: optimizer step
+        # k takes positions [k*G, (k+1)*G) of the shuffled order however many data-parallel replicas they
+        # are dealt to (rank r takes every R-th), so a run resumes exactly at other parallel degrees.
+        now = self._identity()
+        saved = {**now, **{k: state_dict[k] for k in now if k in state_dict}}
+        pairs = {
+            "num_samples": (saved["num_samples"], now["num_samples"]),
+            "seed": (saved["seed"], now["seed"]),
+            "the global batch (batch_size x num_replicas)": (
+                saved["batch_size"] * saved["num_replicas"],
+                now["batch_size"] * now["num_replicas"],
+            ),
         }
+        mismatched = {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
         if mismatched:
             details = ", ".join(f"{k} was {saved} and is now {now}" for k, (saved, now) in mismatched.items())
             raise ValueError(
@@ -641,7 +650,9 @@ class LMDataModule(L.LightningDataModule):
         self.train_blocks, self.val_blocks = train, val
 
     def _data_parallel(self) -> tuple[int, int]:
-        """(number of data-parallel replicas, this replica's index)."""
+        """(number of data-parallel replicas, this replica's index): the ranks that see different batches.
+        Under train.strategy.ZooParallelStrategy these are the dp x ep ranks (the ranks of one sp or tp group
+        share a batch), under DDP every rank; the strategy says so in `distributed_sampler_kwargs`."""
         if self.dp_size is not None and self.dp_rank is not None:
             return self.dp_size, self.dp_rank
         trainer = self.trainer

@@ -24,13 +24,15 @@ from torch import nn
 
 import models
 import parallel
-from parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
-from parallel.tp import grad_norm as tp_grad_norm
+from parallel.grad_sync import mesh_degrees
+from parallel.mesh import DIM_ORDER
+from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
+from parallel.state import grad_norm as sharded_grad_norm
 from train.metrics import summed_token_loss
-from train.strategy import TP_DIM
 
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 NONFINITE_POLICIES = ("stop", "skip")
+PARALLEL_NAMES = {"dp": "data", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,39 @@ class TrainingError(RuntimeError):
 
 class NonFiniteLossError(TrainingError):
     """The loss or the gradient of a step is NaN or infinite (`nonfinite_loss=stop`)."""
+
+
+def parallel_degrees(parallel: dict | None) -> dict[str, int]:
+    """The degrees of a `parallel` config (conf/parallel): {"dp": .., "ep": .., "sp": .., "tp": ..}, each
+    a positive integer (1 when not given); one clear error for a value or a key that is not one."""
+    parallel = dict(parallel or {})
+    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s"})
+    if unknown:
+        raise ValueError(
+            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)} and timeout_s."
+        )
+    degrees = {dim: parallel.get(dim, 1) for dim in DIM_ORDER}
+    for dim, degree in degrees.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(
+                f"parallel.{dim}={degree!r} must be a positive integer (the {PARALLEL_NAMES[dim]}-parallel degree)."
+            )
+    return degrees
+
+
+def check_degrees(model_name: str, config, degrees: dict[str, int]) -> None:
+    """One clear error if architecture `model_name` with `config` cannot run at `degrees`: its own
+    `check_layout`, then any degree above 1 over a dimension its sharding.py has no layout for (dp
+    replicates every model; ep or sp over a dense model would only be data parallelism by another name)."""
+    entry = models.get(model_name)
+    entry.check_layout(config, degrees)
+    for dim in ("ep", "sp", "tp"):
+        if degrees[dim] > 1 and dim not in entry.degrees:
+            raise ValueError(
+                f"{model_name} has no {PARALLEL_NAMES[dim]}-parallel layout (its sharding.py shards over "
+                f"{list(entry.degrees) or 'nothing'}), so parallel.{dim}={degrees[dim]} does not fit; use "
+                f"parallel.{dim}=1 (parallel.dp gives data parallelism to any model)."
+            )
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -61,7 +96,9 @@ class CausalLMModule(L.LightningModule):
         model_config: keyword arguments of that architecture's config (hidden_size, ...).
         vocab_size: the tokenizer's vocabulary size.
         optimizer: lr, betas, weight_decay, warmup_steps, min_lr_ratio.
-        parallel: the model-parallel layout (conf/parallel): `tp` = tensor-parallel degree.
+        parallel: the parallel layout (conf/parallel): the degrees `dp`, `ep`, `sp`, `tp` (and
+            `timeout_s`, read by train.pretrain). Under `train.strategy.ZooParallelStrategy`
+            `configure_model` shards the model over the strategy's mesh of these degrees.
         init_from: an HF checkpoint directory to start from (e.g. a converted Ladder model); the model's
             config then comes from that checkpoint and `model_config` must be empty or agree with it.
         nonfinite_loss: `stop` (raise `NonFiniteLossError` before the step's update) or `skip` (leave
@@ -80,15 +117,9 @@ class CausalLMModule(L.LightningModule):
         nonfinite_loss: str = "stop",
     ) -> None:
         super().__init__()
-        for key, value in (parallel or {}).items():
-            # every key but the collective timeout is a parallelism degree
-            if key not in ("tp", "timeout_s") and value != 1:
-                raise ValueError(
-                    f"parallel.{key}={value} is not supported by train.pretrain yet; only tensor parallelism (tp) is."
-                )
+        self.degrees = parallel_degrees(parallel)
         if nonfinite_loss not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r}; use one of {NONFINITE_POLICIES}.")
-        self.tp = int((parallel or {}).get("tp", 1))
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
         if init_from:
@@ -104,6 +135,7 @@ class CausalLMModule(L.LightningModule):
                 )
         else:
             self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
+        check_degrees(model_name, self.model.config, self.degrees)
         # Counted now, while every rank still holds the whole model (configure_model shards it later);
         # parameters() counts tied weights once.
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
@@ -118,18 +150,32 @@ class CausalLMModule(L.LightningModule):
         # the checkpoint's optimizer settings while resuming, until on_train_start applies ours
         self._resumed_optimizer_settings: dict | None = None
         self._skip_update = False  # set by a skipped training_step for on_before_optimizer_step
+        self._layout_applied = False
 
     def configure_model(self) -> None:
         # Lightning calls this on every rank once the process group and the device mesh exist, before
         # the optimizer is built or a checkpoint is loaded, and again on every validate/fit: the
         # layout is applied once. Every rank built the full model from the same seed, so the shards
-        # are slices of the very model a TP-1 run would train.
-        if self.tp > 1 and getattr(self.model, "tp_degree", 1) == 1:
-            parallel.parallelize(self.model, self.device_mesh, dim=TP_DIM)
+        # are slices of the very model a one-process run would train.
+        if self._layout_applied:
+            return
+        mesh = self.device_mesh  # ZooParallelStrategy's; None under any other strategy
+        if mesh is None:
+            if any(self.degrees[d] > 1 for d in DIM_ORDER):
+                raise ValueError(
+                    f"parallel degrees {self.degrees} need train.strategy.ZooParallelStrategy (train.pretrain "
+                    f"sets it), not {type(self.trainer.strategy).__name__}."
+                )
+            return
+        if mesh_degrees(mesh) != self.degrees:
+            raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
+        parallel.parallelize(self.model, mesh)
+        self._layout_applied = True
 
     @property
-    def tp_group(self):
-        return self.device_mesh.get_group(TP_DIM) if self.tp > 1 else None
+    def sharded(self) -> bool:
+        """Whether gradients, norms and state go through `parallel.state` (under ZooParallelStrategy)."""
+        return self.device_mesh is not None
 
     # ----------------------------------------------------------------------------------------- training
 
@@ -137,11 +183,13 @@ class CausalLMModule(L.LightningModule):
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
         loss = self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-        # Rank 0's loss; averaging it over ranks every step would cost a collective for a log line.
-        # Logged even when skipped (nan): a metric not logged at a step repeats its previous value.
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        mean_loss, nonfinite = self._across_ranks(loss)
+        # The loss of the global batch: the mean over ranks of their batches' (every rank's batch has the
+        # same number of tokens). Logged even when skipped (nan): a metric not logged at a step repeats
+        # its previous value.
+        self.log("train/loss", mean_loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
-        if self._nonfinite_on_any_rank(loss):
+        if nonfinite:
             self._nonfinite(f"train/loss is {loss.item()}")
             # skip: a zero loss that reaches every parameter, so that backward (and under DDP its
             # all-reduce) runs as on any step on every rank (Lightning refuses a None loss when
@@ -151,17 +199,18 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called after backward (and, under DDP, after the gradient all-reduce) and before clipping,
-        # so this is the norm of the full, unclipped gradient. (With tensor-parallel shards each rank
-        # holds only part of the gradient; that layout has to reduce the norm over its group.)
-        # The norm is the same on every rank, so is the decision about a non-finite one.
+        # Called after backward and the gradient synchronisation (DDP's all-reduce, or
+        # ZooParallelStrategy's sync_gradients) and before clipping, so this is the norm of the full,
+        # unclipped gradient. (With shards each rank holds only part of the gradient: parallel.state
+        # reduces the norm over the dimensions each parameter is sharded on.) The norm is the same on
+        # every rank, so is the decision about a non-finite one.
         if self._skip_update:
             self._skip_update = False
             self._drop_gradients()
             self.log("train/grad_norm", math.nan, on_step=True, on_epoch=False)  # none was computed
             return
-        if self.tp > 1:
-            norm = tp_grad_norm(self.model, self.tp_group)
+        if self.sharded:
+            norm = sharded_grad_norm(self.model)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
@@ -177,13 +226,18 @@ class CausalLMModule(L.LightningModule):
         for p in self.parameters():
             p.grad = None
 
-    def _nonfinite_on_any_rank(self, loss: torch.Tensor) -> bool:
-        bad = (~torch.isfinite(loss.detach())).float()
-        if self.trainer.world_size > 1:
-            # Data-parallel ranks see other batches: all must skip or stop together, or the others
-            # would wait for this rank's gradients in the all-reduce.
-            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
-        return bool(bad > 0)
+    def _across_ranks(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the mean of every rank's loss, whether any rank's is NaN or infinite): one all-reduce of two
+        numbers. Ranks that share a batch (tp, sp) count alike, so the mean over all ranks is the mean
+        over the distinct batches."""
+        loss = loss.detach()
+        if self.trainer.world_size == 1:
+            return loss, not bool(torch.isfinite(loss))
+        # Data-parallel ranks see other batches: all must skip or stop together, or the others would
+        # wait for this rank's gradients in the gradient all-reduce.
+        totals = torch.stack([loss.float(), (~torch.isfinite(loss)).float()])
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return totals[0] / self.trainer.world_size, bool(totals[1] > 0)
 
     def _nonfinite(self, what: str) -> None:
         """Stops (raises) or, with `nonfinite_loss=skip`, reports the step that the caller then skips."""
@@ -202,11 +256,14 @@ class CausalLMModule(L.LightningModule):
         )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if self.tp > 1 and gradient_clip_val:
+        if self.sharded and gradient_clip_val:
             # The norm must be taken over the whole (sharded) gradient, or ranks would clip differently.
             if gradient_clip_algorithm not in (None, "norm"):
-                raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported under TP; use 'norm'.")
-            tp_clip_grad_norm_(self.model, gradient_clip_val, self.tp_group)
+                raise ValueError(
+                    f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported under "
+                    "ZooParallelStrategy; use 'norm'."
+                )
+            sharded_clip_grad_norm_(self.model, gradient_clip_val)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -220,8 +277,10 @@ class CausalLMModule(L.LightningModule):
         now = time.perf_counter()
         seconds = now - self._step_clock
         self._step_clock = now
-        # The ranks of one TP group share a batch: distinct tokens come from the data-parallel ranks.
-        tokens = batch["input_ids"].numel() * self.trainer.world_size // self.tp
+        # Global tokens: the ranks that see different batches (dp x ep under ZooParallelStrategy, every
+        # rank under DDP) each had one of this shape; the ranks of an sp or tp group share theirs.
+        replicas = (self.trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
+        tokens = batch["input_ids"].numel() * replicas
         self.log("train/tokens_per_s", tokens / max(seconds, 1e-9), on_step=True, on_epoch=False)
 
     # --------------------------------------------------------------------------------------- validation

@@ -21,10 +21,12 @@ command with one error line and exit code 1.
 
 import io
 import logging
+import math
 import os
 import signal
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -40,10 +42,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+import models
 from models.checkpoint import save_checkpoint
-from parallel.tp import full_state_dict
+from parallel.state import full_state_dict
 from train.data import CORPUS, is_local_source
-from train.module import CausalLMModule, TrainingError
+from train.module import PARALLEL_NAMES, CausalLMModule, TrainingError, check_degrees, parallel_degrees
+from train.strategy import ZooParallelStrategy
 
 log = logging.getLogger(__name__)
 # In a rank that Lightning started, the parent is rank 0: if it changes, rank 0 is gone.
@@ -148,7 +152,9 @@ def check_config(cfg: DictConfig) -> None:
         is_local_source(str(cfg.data.source), "data.source")
 
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    devices, num_nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    devices, num_nodes = cfg.trainer.get("devices", "auto"), cfg.trainer.get("num_nodes", 1)
+    if str(devices) == "auto":
+        devices = trainer_devices(cfg)
     if accelerator in ("cuda", "gpu"):
         if not torch.cuda.is_available():
             raise ValueError(
@@ -161,30 +167,70 @@ def check_config(cfg: DictConfig) -> None:
                 f"use trainer.devices<={torch.cuda.device_count()} (or more trainer.num_nodes)."
             )
 
-    # Lightning starts one process per device and node; a TP layout must account for all of them,
-    # or it fails only once every process is up (or, with tp=1 under a TP strategy, trains unsharded).
-    tp = (cfg.get("parallel") or {}).get("tp", 1)
+    # Lightning starts trainer.devices processes on each of trainer.num_nodes nodes. The parallel degrees
+    # say how many there must be; a mismatch would fail only once every process is up.
+    degrees = parallel_degrees(cfg.get("parallel"))
+    world = math.prod(degrees.values())
+    layout = " x ".join(f"parallel.{d}={n}" for d, n in degrees.items() if n > 1) or "parallel=none"
     strategy = cfg.trainer.get("strategy")
-    strategy = strategy if isinstance(strategy, DictConfig) else {}
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"parallel.tp={tp!r} must be a positive integer (the tensor-parallel degree).")
-    strategy_tp = strategy.get("tensor_parallel_size")
-    if strategy_tp is not None and strategy_tp != tp:
+    if strategy is not None and world > 1:
+        name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy
         raise ValueError(
-            f"parallel.tp={tp} but trainer.strategy.tensor_parallel_size={strategy_tp}; they must be equal "
-            f"(parallel=tp{strategy_tp} sets both)."
+            f"{layout} runs through train.strategy.ZooParallelStrategy, which train.pretrain sets itself, but "
+            f"trainer.strategy is {name}; drop it (trainer=ddp is data parallelism of an unsharded model: "
+            "use parallel.dp with the other degrees instead)."
         )
     n_devices = len(devices) if OmegaConf.is_list(devices) or isinstance(devices, list) else devices
-    if tp > 1 and isinstance(n_devices, int) and isinstance(num_nodes, int):
-        dp = strategy.get("data_parallel_size", 1)
-        world = n_devices * num_nodes
-        if tp * dp != world:
-            layout = f"parallel.tp={tp}" + (f" x trainer.strategy.data_parallel_size={dp}" if dp != 1 else "")
+    if strategy is None and isinstance(num_nodes, int):
+        if world % num_nodes:
             raise ValueError(
-                f"{layout} needs {tp * dp} processes, but trainer.devices={devices} x trainer.num_nodes="
-                f"{num_nodes} starts {world}; set trainer.devices={tp * dp} (one node) or parallel.tp="
-                f"{max(1, world // dp)} (parallel=tp2 and parallel=tp4 set devices to match)."
+                f"{layout} needs {world} processes, which trainer.num_nodes={num_nodes} nodes cannot share "
+                "evenly; use a number of nodes that divides it."
             )
+        if isinstance(n_devices, int) and n_devices * num_nodes != world:
+            data_parallel = f", or parallel.dp={n_devices * num_nodes} for data parallelism" if world == 1 else ""
+            processes = f"{world} process" + ("es" if world > 1 else "")
+            raise ValueError(
+                f"{layout} needs {processes}, but trainer.devices={devices} x trainer.num_nodes="
+                f"{num_nodes} starts {n_devices * num_nodes}; set trainer.devices={world // num_nodes} (or "
+                f"leave it auto: the degrees decide){data_parallel}."
+            )
+    # The architecture's own check of the degrees, before any process starts (the module checks again,
+    # with the config of an init_from checkpoint too).
+    if world > 1 and not cfg.model.get("init_from"):
+        model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
+        check_degrees(cfg.model.name, models.build_config(cfg.model.name, **model_config), degrees)
+
+
+def trainer_devices(cfg: DictConfig):
+    """`trainer.devices` as the run uses it: `auto` means the processes per node the parallel degrees need
+    (one process without model parallelism), unless `trainer.strategy` is set (trainer=ddp): then
+    Lightning's own `auto` (every device of the node)."""
+    devices = cfg.trainer.get("devices", "auto")
+    if str(devices) != "auto" or cfg.trainer.get("strategy") is not None:
+        return devices
+    return math.prod(parallel_degrees(cfg.get("parallel")).values()) // cfg.trainer.get("num_nodes", 1)
+
+
+def build_trainer(cfg: DictConfig, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
+    """The Trainer of `cfg.trainer`; with any parallel degree above 1, on `ZooParallelStrategy` over those
+    degrees, with `parallel.timeout_s` as the collectives' timeout."""
+    degrees = parallel_degrees(cfg.get("parallel"))
+    settings = {"devices": trainer_devices(cfg)}
+    if math.prod(degrees.values()) > 1:
+        timeout = (cfg.get("parallel") or {}).get("timeout_s")
+        settings["strategy"] = ZooParallelStrategy(
+            **degrees, **({"timeout": timedelta(seconds=timeout)} if timeout is not None else {})
+        )
+    return hydra.utils.instantiate(
+        cfg.trainer,
+        callbacks=callbacks or [],
+        # an empty list would make Lightning add its default TensorBoard logger
+        logger=loggers or False,
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        **settings,
+        _convert_="all",
+    )
 
 
 def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
@@ -332,20 +378,17 @@ def train(cfg: DictConfig) -> dict:
     name_multirun_job(cfg)
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        callbacks=callbacks,
-        # an empty list would make Lightning add its default TensorBoard logger
-        logger=loggers or False,
-        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
-        _convert_="all",
-    )
+    trainer = build_trainer(cfg, callbacks, loggers)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
-    # Counted before sharding: under TP this is the model's count, not one rank's slices'.
-    tp_note = f" (split over {module.tp} tensor-parallel ranks)" if module.tp > 1 else ""
-    log_info(f"model: {cfg.model.name}, {module.num_parameters:,} parameters{tp_note}")
+    # Counted before sharding: the model's count, not one rank's shards'.
+    model_parallel = {d: n for d, n in module.degrees.items() if n > 1 and d != "dp"}
+    split = " x ".join(f"{n} {PARALLEL_NAMES[d]}-parallel" for d, n in model_parallel.items())
+    log_info(f"model: {cfg.model.name}, {module.num_parameters:,} parameters" + (f" (split over {split} ranks)" if split else ""))
+    if trainer.world_size > 1:
+        layout = " x ".join(f"{d}={n}" for d, n in module.degrees.items())
+        log_info(f"parallel: {layout} on {trainer.world_size} processes ({type(trainer.strategy).__name__})")
 
     ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
     if ckpt_path is not None:
@@ -376,12 +419,12 @@ def train(cfg: DictConfig) -> dict:
         final_ckpt = str(Path(checkpoint.dirpath) / "last.ckpt")
         trainer.save_checkpoint(final_ckpt, weights_only=False)
 
-    # Under TP each rank holds slices: gather the full weights (every rank takes part) into an
+    # Sharded, each rank holds slices: gather the full weights (every rank takes part) into an
     # unsharded model that rank 0 saves and samples from.
     final_model = module.model
-    if module.tp > 1:
+    if model_parallel:
         with explain_lost_ranks(trainer, output_dir):
-            state = full_state_dict(module.model, module.tp_group)
+            state = full_state_dict(module.model)
         if trainer.is_global_zero:
             final_model = type(module.model)(module.model.config)
             final_model.load_state_dict(state)

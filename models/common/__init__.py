@@ -10,21 +10,43 @@ from models.common.causal_lm import (
 )
 from models.common.decoder import PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
+from models.common.moe import (
+    GroupedExperts,
+    MoEDispatch,
+    Routing,
+    SparseMoE,
+    TopKRouter,
+    capacity,
+    dispatch,
+    init_moe_weights,
+    load_balance_loss,
+    update_balance_biases,
+)
 from models.common.norm import RMSNorm
 from models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
 
 __all__ = [
     "Attention",
+    "GroupedExperts",
+    "MoEDispatch",
     "PreNormDecoderLayer",
     "RMSNorm",
     "RotaryEmbedding",
+    "Routing",
+    "SparseMoE",
     "SwiGLUMLP",
+    "TopKRouter",
     "ZooCausalLMOutput",
     "ZooDecoderModel",
     "ZooForCausalLM",
     "ZooModelOutput",
     "ZooPreTrainedModel",
     "apply_rotary_pos_emb",
+    "capacity",
+    "dispatch",
+    "init_moe_weights",
+    "load_balance_loss",
     "make_causal_mask",
     "rope_inv_freq",
+    "update_balance_biases",
 ]

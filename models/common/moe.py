@@ -1,0 +1,459 @@
+"""Mixture-of-experts layer shared by `moe`, `scmoe` and `moepp`: router, grouped experts, dispatch / combine.
+
+One implementation for the three architectures (specs/moe.md); torchtitan's MoE was read for the facts.
+
+- `TopKRouter(hidden_size, num_experts, top_k, score_func="softmax"|"sigmoid", renormalize=True,
+  balance_bias=False)`: `self.gate` is the router linear (d -> E, no bias). In fp32: logits = gate(x)
+  (+ `extra_logits`, MoE++'s gating residual), scores = softmax or sigmoid, top-k, gates = the chosen
+  scores, renormalised to sum to 1 (Mixtral). `balance_bias=True` is DeepSeek-V3's auxiliary-loss-free
+  balancing: experts are chosen on scores + `expert_bias` (a buffer, saved with the weights), gates come
+  from the scores alone; in training mode the router counts its tokens per expert, and
+  `update_balance_biases(model)` (after each optimizer step) moves every bias by coeff * sign(mean load -
+  load), re-centred to mean 0.
+- `Routing`: what the router returns. `token_idx`, `expert_idx`, `gates` [A] (A = T * k assignments,
+  token-major: assignment t*k + j is token t's j-th choice), `probs` [T, E] (softmax scores; sigmoid scores
+  normalised per token), `logits` [T, E]. `routing.select(keep)` keeps a subset of the assignments (MoE++
+  drops those of its zero-computation experts before dispatch); `probs` / `logits` stay whole.
+- `load_balance_loss(probs, expert_idx, num_experts, weights=None, group=None)`: E * sum_i eta_i f_i P_i
+  (Switch / Mixtral), f_i = fraction of the assignments that chose expert i, P_i = mean router probability
+  of expert i, eta = `weights` (default 1). 1 when perfectly balanced. With `group` (ep) the counts and
+  probability sums are summed over the ranks first, so every ep rank gets the loss of the concatenated
+  batch (see `_sum_over_ranks` for its gradient).
+- `GroupedExperts(num_experts, hidden_size, intermediate_size, impl="grouped_mm")`: E SwiGLU experts as
+  stacked weights laid out as nn.Linear weights, expert e's `gate_proj[e]` / `up_proj[e]` [f, d] and
+  `down_proj[e]` [d, f] (so a dense MLP's weights copy in unchanged: upcycling). `forward(x_sorted [N, d],
+  counts [E_local])` runs expert e on its run of rows with `torch.nn.functional.grouped_mm` over int32
+  offsets (fp32 / bf16 / fp16, eager); a loop over experts where grouped_mm cannot run (fp64, fp32 under
+  torch.compile) or with `impl="loop"`. grouped_mm needs every row to be a multiple of 16 bytes, so
+  hidden_size and intermediate_size must be multiples of 8 (8 bf16 values; `check_expert_widths`).
+- `dispatch(x [T, d], assignments, experts, ep_group=None, capacity=None) -> MoEDispatch`, then
+  `.compute()`, then `.combine() -> [T, d]`: the three steps of an MoE layer split so that an architecture
+  places each wait where it wants (ScMoE overlaps them with its dense block):
+  * `dispatch`: a stable argsort of the expert ids gathers the tokens expert by expert; the token counts
+    per expert are exchanged over ep (`comm.exchange_splits`, blocking: they size the receive buffer, one
+    device-to-host sync); the tokens go out with the uneven `comm.all_to_all`: ISSUED, not waited.
+  * `compute()`: waits the dispatch all-to-all, reorders the received (source rank, local expert) runs to
+    expert-major order, runs the local experts, and issues the combine all-to-all (not waited).
+  * `combine()`: waits the combine all-to-all, weights each returned row by its gate in fp32 and sums a
+    token's rows in a fixed order (no atomics: deterministic on every device); returns x's dtype.
+  `assignments` is a `Routing` or any object with `token_idx`, `expert_idx`, `gates` (a subset of a
+  routing: MoE++'s FFN experts only; expert ids index `experts`).
+  Dropless by default. With `capacity=C` each rank sends at most C assignments to each expert (the first
+  C in assignment order, i.e. earlier tokens first; the rest are dropped: the token keeps its other
+  experts' output and its residual). C comes from `capacity(num_tokens, num_experts, top_k,
+  capacity_factor)` = top_k * ceil(capacity_factor * num_tokens / num_experts) (specs/moe.md) with the
+  rank's own token count: every rank feeding the same batch shape gets the same C. Counts are exchanged
+  before every all-to-all, so no choice of C can hang one; C bounds each expert's rows (at most P * C).
+- `SparseMoE(hidden_size, intermediate_size, num_experts, top_k, ...)`: router + experts with
+  `forward(x [B, T, d]) -> (y, aux)`: route, dispatch, compute and combine at once (the vanilla MoE
+  schedule); `aux` = {"load_balance": aux_loss_coef * balance loss} in training mode, {} otherwise.
+  `ep_group` is None on one device and set by the expert-parallel layout.
+
+Expert parallelism (parallel/ep.py, "experts" role): rank r of P keeps experts [r E/P, (r+1) E/P) of a
+`GroupedExperts` (`num_experts` stays the global E, `num_local_experts` becomes E/P) and its MoE block gets
+`ep_group`. Every ep rank feeds its own tokens. The gradient of an expert on its owner is the sum over
+every ep rank's loss (the all-to-all's backward brings it there); `parallel.grad_sync` divides it by P
+and averages replicated parameters over ep, which together give the one-process gradient of the mean loss.
+
+Weights: `init_moe_weights(module, std, residual_scale)` initialises what `ZooPreTrainedModel._init_weights`
+does not know (the stacked expert weights, the router's buffers); an MoE architecture calls it from its
+`_init_weights`.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from itertools import accumulate
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from parallel import comm
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_IMPLS = ("grouped_mm", "loop")
+# grouped_mm reads rows whose byte length is a multiple of 16: 8 values at 2 bytes (bf16 / fp16), which
+# also covers fp32's 4. A model's widths must fit every dtype it may be cast to.
+WIDTH_MULTIPLE = 8
+
+
+# --- checks ------------------------------------------------------------------------------------------
+
+
+def check_top_k(top_k: int, num_experts: int, what: str = "num_experts_per_tok") -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"The number of experts must be a positive integer, got {num_experts!r}.")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"{what}={top_k!r} experts per token does not fit {num_experts} experts; choose top-k in 1..{num_experts}."
+        )
+
+
+def _nearby_multiples(n: int, m: int) -> str:
+    below, above = (n // m) * m, (n // m + 1) * m
+    return f"{below} or {above}" if below > 0 else f"{above}"
+
+
+def check_expert_widths(hidden_size: int, intermediate_size: int, impl: str = "grouped_mm") -> None:
+    """One clear error if grouped_mm cannot take experts of these widths (or `impl` is unknown)."""
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"Unknown experts implementation {impl!r}; choose one of {EXPERT_IMPLS}.")
+    if impl != "grouped_mm":
+        return
+    bad = {k: v for k, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)) if v % WIDTH_MULTIPLE}
+    if bad:
+        fits = "; ".join(f"{k} {_nearby_multiples(v, WIDTH_MULTIPLE)}" for k, v in bad.items())
+        raise ValueError(
+            f"Expert widths {', '.join(f'{k}={v}' for k, v in bad.items())} do not fit grouped_mm, which needs every "
+            f"row to be a multiple of 16 bytes (8 bf16 / fp16 values), so widths must be multiples of {WIDTH_MULTIPLE}: "
+            f"use {fits} (or experts_impl='loop', a slower per-expert loop)."
+        )
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Assignments each rank may send to one expert: top_k * ceil(capacity_factor * num_tokens / num_experts)
+    (specs/moe.md). From the rank's token count, which is the same on every rank fed the same batch shape."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (None: dropless).")
+    return top_k * math.ceil(capacity_factor * num_tokens / num_experts)
+
+
+# --- router ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Routing:
+    """The router's decision for T tokens: A assignments (token, expert, gate) and the per-token scores."""
+
+    token_idx: torch.Tensor  # [A] long
+    expert_idx: torch.Tensor  # [A] long
+    gates: torch.Tensor  # [A] fp32
+    probs: torch.Tensor  # [T, E] fp32, what the balance loss averages
+    logits: torch.Tensor  # [T, E] fp32, before scoring (MoE++'s gating residual feeds them on)
+
+    def select(self, keep: torch.Tensor) -> "Routing":
+        """The assignments where `keep` [A] (bool) is True, in their order; probs and logits unchanged."""
+        return replace(self, token_idx=self.token_idx[keep], expert_idx=self.expert_idx[keep], gates=self.gates[keep])
+
+
+class TopKRouter(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        balance_bias: bool = False,
+    ):
+        super().__init__()
+        check_top_k(top_k, num_experts)
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"Unknown router score function {score_func!r}; choose one of {SCORE_FUNCS}.")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.renormalize, self.balance_bias = score_func, renormalize, balance_bias
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if balance_bias:
+            # Saved with the weights (it decides the routing); the counts are per optimizer step only.
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor, extra_logits: torch.Tensor | None = None) -> Routing:
+        # fp32 whatever the model's dtype: near-ties between experts must not flip with rounding.
+        logits = F.linear(x.float(), self.gate.weight.float())
+        if extra_logits is not None:
+            logits = logits + extra_logits.float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if self.balance_bias else scores
+        expert_idx = choose.topk(self.top_k, dim=-1).indices  # [T, k]
+        gates = scores.gather(-1, expert_idx)
+        if self.renormalize:
+            gates = gates / gates.sum(-1, keepdim=True)
+        if self.balance_bias and self.training:
+            self.tokens_per_expert += torch.bincount(expert_idx.flatten(), minlength=self.num_experts)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        num_tokens = x.shape[0]
+        token_idx = torch.arange(num_tokens, device=x.device).repeat_interleave(self.top_k)
+        return Routing(token_idx, expert_idx.flatten(), gates.flatten(), probs, logits)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor | None = None, coeff: float = 1e-3) -> None:
+        """DeepSeek-V3's update: bias_i += coeff * sign(mean load - load_i), then re-centred to mean 0.
+
+        `tokens_per_expert` defaults to the counts gathered since the last update (which are then reset)."""
+        if not self.balance_bias:
+            raise ValueError("update_bias needs a router built with balance_bias=True.")
+        load = (self.tokens_per_expert if tokens_per_expert is None else tokens_per_expert).float()
+        if load.sum() > 0:
+            self.expert_bias += coeff * torch.sign(load.mean() - load)
+            self.expert_bias -= self.expert_bias.mean()
+        self.tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def update_balance_biases(model: nn.Module, coeff: float = 1e-3, groups=()) -> None:
+    """Move the balance bias of every aux-loss-free router of `model` (call after each optimizer step).
+
+    `groups`: the process groups whose ranks route different tokens through replicas of these routers (ep,
+    dp); their counts are summed first so that every replica moves its bias alike. Not tp: tp ranks route
+    the same tokens."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.balance_bias:
+            load = module.tokens_per_expert.clone()
+            for group in groups:
+                load = comm.all_reduce(load, group).wait()
+            module.update_bias(load, coeff)
+
+
+def _sum_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of `x` over the ranks of `group`, whose gradient is the sum of every rank's gradient.
+
+    Each ep rank adds the same global loss, and parallel.grad_sync averages replicated parameters over ep:
+    rank r's part of the gradient must therefore be P times what its own loss gives it, which is the sum
+    over ranks of the (equal) upstream gradients (Megatron's f before the all-reduce)."""
+    return comm.all_reduce(comm.copy_to_tp_region(x, group), group).wait()
+
+
+def load_balance_loss(
+    probs: torch.Tensor,
+    expert_idx: torch.Tensor,
+    num_experts: int,
+    weights: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
+    """E * sum_i eta_i f_i P_i (module docstring); over the ranks of `group` when given."""
+    counts = torch.bincount(expert_idx, minlength=num_experts).to(probs.dtype)
+    sizes = torch.tensor([expert_idx.numel(), probs.shape[0]], dtype=probs.dtype, device=probs.device)
+    # One all-reduce: counts and sizes carry no gradient, the probability sums do.
+    totals = _sum_over_ranks(torch.cat([counts, sizes, probs.sum(0)]), group)
+    counts, (assignments, tokens), prob_sums = totals[:num_experts], totals[num_experts : num_experts + 2], totals[num_experts + 2 :]
+    f = counts / assignments.clamp(min=1)
+    p = prob_sums / tokens
+    eta = torch.ones_like(f) if weights is None else weights.to(f)
+    return num_experts * (eta * f * p).sum()
+
+
+# --- experts -----------------------------------------------------------------------------------------
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts, down(silu(gate(x)) * up(x)), weights stacked along dim 0 (module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str = "grouped_mm"):
+        super().__init__()
+        check_expert_widths(hidden_size, intermediate_size, impl)
+        self.num_experts = num_experts  # over all ep ranks
+        self.num_local_experts = num_experts  # this rank's: the ep layout divides it
+        self.impl = impl
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        """`x` [N, d]: rows sorted by local expert, `counts[e]` rows for expert e (ints or a tensor)."""
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        if len(counts) != self.gate_proj.shape[0] or sum(counts) != x.shape[0]:
+            raise ValueError(
+                f"GroupedExperts got counts {counts} for {x.shape[0]} rows and {self.gate_proj.shape[0]} local "
+                "experts; it needs one count per local expert, summing to the rows."
+            )
+        if self._use_loop(x):
+            return self._forward_loop(x, counts)
+        offsets = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device)
+        # grouped_mm computes x @ w[e] per run; nn.Linear-shaped weights [f, d] are read transposed. Its
+        # backward needs a contiguous output gradient, which its callers' ops always give.
+        gate = F.grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
+        up = F.grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+
+    def _use_loop(self, x: torch.Tensor) -> bool:
+        if self.impl == "loop" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return True
+        # torch 2.13 cannot compile grouped_mm in fp32.
+        return x.dtype == torch.float32 and torch.compiler.is_compiling()
+
+    def _forward_loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The reference: one matmul chain per expert (fallback, and what grouped_mm is tested against)."""
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            h = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
+            outs.append(h @ self.down_proj[e].T)
+        return torch.cat(outs) if outs else x.new_zeros(0, self.down_proj.shape[1])
+
+
+def init_moe_weights(module: nn.Module, std: float, residual_scale: float = 1.0) -> None:
+    """Initialise what the zoo's generic `_init_weights` does not know: stacked experts (N(0, std); the
+    down projection feeds the residual stream, so times `residual_scale` as for dense MLPs) and the router's
+    buffers (non-persistent ones must be rebuilt after loading on the meta device)."""
+    if isinstance(module, GroupedExperts):
+        init.normal_(module.gate_proj, mean=0.0, std=std)
+        init.normal_(module.up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std * residual_scale)
+    elif isinstance(module, TopKRouter) and module.balance_bias:
+        init.zeros_(module.expert_bias)
+        init.zeros_(module.tokens_per_expert)
+
+
+# --- dispatch / combine ------------------------------------------------------------------------------
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+class MoEDispatch:
+    """An MoE layer's tokens in flight: made by `dispatch`, then `compute()`, then `combine()`."""
+
+    def __init__(self, **state):
+        self.__dict__.update(state)
+        self._stage = "dispatched"
+
+    def compute(self) -> None:
+        """Wait the dispatch all-to-all, run the local experts, issue the combine all-to-all."""
+        if self._stage != "dispatched":
+            raise RuntimeError(f"MoEDispatch.compute() runs once, after dispatch; this one is {self._stage}.")
+        received = self._dispatch.wait()  # [R, d], runs by (source rank, local expert)
+        if self.ep_size > 1:
+            # Expert-major order for the grouped matmul: (local expert, source rank) runs.
+            received = received[self._expert_major]
+        out = self.experts(received, self._expert_counts)
+        if self.ep_size > 1:
+            out = out[self._back_to_sources]
+        # Returned the way the tokens came: splits swapped.
+        self._combine = comm.all_to_all(out, self.ep_group, self._recv_splits, self._send_splits)
+        self._stage = "computed"
+
+    def combine(self) -> torch.Tensor:
+        """Wait the combine all-to-all; each token's output = sum of gate * expert output, [T, d] in x's dtype."""
+        if self._stage != "computed":
+            raise RuntimeError(f"MoEDispatch.combine() runs once, after compute(); this one is {self._stage}.")
+        returned = self._combine.wait()  # [A_kept, d] in the expert-sorted order of this rank's assignments
+        weighted = returned.float() * self._gates[:, None]
+        # Each (token, slot) receives exactly one row, so this is a copy, not an accumulation; the sum over
+        # slots then runs in a fixed order on every device.
+        slots = weighted.new_zeros(self.num_tokens, self._slots, weighted.shape[-1])
+        slots = slots.index_put((self._token_idx, self._slot_idx), weighted)
+        self._stage = "combined"
+        return slots.sum(1).to(self.dtype)
+
+
+def dispatch(x: torch.Tensor, assignments, experts: GroupedExperts, ep_group=None, capacity: int | None = None) -> MoEDispatch:
+    """Send each assignment's token to the rank holding its expert (module docstring); the all-to-all is
+    issued, not waited."""
+    num_tokens, device = x.shape[0], x.device
+    token_idx, expert_idx, gates = assignments.token_idx, assignments.expert_idx, assignments.gates
+    num_experts, ep_size = experts.num_experts, _group_size(ep_group)
+    local = num_experts // ep_size
+    if num_experts % ep_size or experts.gate_proj.shape[0] != local:
+        raise ValueError(
+            f"The experts hold {experts.gate_proj.shape[0]} of {num_experts} experts, but an ep group of {ep_size} "
+            f"ranks needs {num_experts / ep_size:g} per rank; shard them with parallel.parallelize."
+        )
+    # Expert-sorted order; stable, so each expert's assignments keep their order (earlier tokens first).
+    order = torch.argsort(expert_idx, stable=True)
+    counts = torch.bincount(expert_idx, minlength=num_experts)
+    if capacity is not None:
+        first = counts.cumsum(0) - counts
+        position = torch.arange(order.numel(), device=device) - first[expert_idx[order]]
+        order = order[position < capacity]
+        counts = counts.clamp(max=capacity)
+    # Slot of each assignment among its token's assignments, so that combine sums them without atomics.
+    per_token = torch.bincount(token_idx, minlength=num_tokens)
+    by_token = torch.argsort(token_idx, stable=True)
+    token_first = per_token.cumsum(0) - per_token
+    slot = torch.empty_like(token_idx)
+    slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
+    # The one device-to-host copy of the layer: the split sizes must be known on the host.
+    host = torch.cat([counts, per_token.max().view(1)]).tolist()
+    counts, slots = host[:num_experts], host[num_experts]
+    count_rows = [counts[r * local : (r + 1) * local] for r in range(ep_size)]  # per destination rank
+    send_splits = [sum(row) for row in count_rows]
+    if ep_size > 1:
+        # What every rank sends to each of my experts (blocking: it sizes the receive buffer).
+        recv_rows = comm.exchange_splits(count_rows, ep_group)
+    else:
+        recv_rows = count_rows
+    recv_splits = [sum(row) for row in recv_rows]
+    routed = x[token_idx[order]]
+    pending = comm.all_to_all(routed, ep_group, send_splits, recv_splits)  # issued, waited in compute()
+    expert_counts = [sum(row[e] for row in recv_rows) for e in range(local)]
+    state = dict(
+        experts=experts,
+        ep_group=ep_group,
+        ep_size=ep_size,
+        num_tokens=num_tokens,
+        dtype=x.dtype,
+        _dispatch=pending,
+        _send_splits=send_splits,
+        _recv_splits=recv_splits,
+        _expert_counts=expert_counts,
+        _gates=gates[order].float(),
+        _token_idx=token_idx[order],
+        _slot_idx=slot[order],
+        _slots=slots,
+    )
+    if ep_size > 1:
+        state["_expert_major"], state["_back_to_sources"] = _expert_major_order(recv_rows, device)
+    return MoEDispatch(**state)
+
+
+def _expert_major_order(recv_rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation taking received rows, runs (source rank s, local expert e) in that order, to runs (e, s),
+    and its inverse."""
+    counts = torch.tensor(recv_rows, dtype=torch.long, device=device)  # [P, E_local]
+    total = int(sum(map(sum, recv_rows)))
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)
+    run_counts, run_starts = counts.T.flatten(), starts.T.flatten()  # runs in (e, s) order
+    within = torch.arange(total, device=device) - (run_counts.cumsum(0) - run_counts).repeat_interleave(
+        run_counts, output_size=total
+    )
+    order = run_starts.repeat_interleave(run_counts, output_size=total) + within
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(total, device=device)
+    return order, inverse
+
+
+# --- the whole layer ---------------------------------------------------------------------------------
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed SwiGLU experts (Mixtral's sparse MoE block); the vanilla schedule: everything at once."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        balance_bias: bool = False,
+        aux_loss_coef: float = 0.01,
+        capacity_factor: float | None = None,
+        impl: str = "grouped_mm",
+    ):
+        super().__init__()
+        self.router = TopKRouter(hidden_size, num_experts, top_k, score_func, renormalize, balance_bias)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, impl)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.capacity_factor = capacity_factor
+        self.ep_group = None  # set by parallel.parallelize; None = every expert on this device
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.router(x)
+        cap = None
+        if self.capacity_factor is not None:
+            cap = capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+        pending = dispatch(x, routing, self.experts, self.ep_group, cap)  # all-to-all issued
+        pending.compute()  # waits the dispatch; local experts; combine issued
+        y = pending.combine()  # waits the combine
+        aux = {}
+        if self.training and self.aux_loss_coef > 0:
+            balance = load_balance_loss(routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group)
+            aux["load_balance"] = self.aux_loss_coef * balance
+        return y.view(shape), aux

@@ -1,0 +1,66 @@
+"""Configuration of the vanilla MoE (`moe`): a Llama config plus Mixtral's router and expert fields.
+
+- `num_local_experts` (E) SwiGLU experts per MoE layer, each `intermediate_size` wide (Mixtral's names);
+  `num_experts_per_tok` (k, top-2 by default) of them per token, their softmax scores renormalised.
+- `moe_layer_freq`: layer i is an MoE layer when (i + 1) % moe_layer_freq == 0 (1: every layer, as
+  Mixtral; 2: every other layer, as GShard / Switch and ScMoE's pairs); the others keep the dense MLP.
+- `router_aux_loss_coef`: weight of the load-balance loss E * sum_i f_i P_i, averaged over the MoE layers
+  (1 when balanced). 0.01 as Switch Transformer and MoE++ (HF Mixtral defaults to 0.001).
+- `capacity_factor`: None = dropless (default); a number caps the tokens each rank sends to one expert at
+  k * ceil(capacity_factor * tokens / E) (models/common/moe.py).
+- `router_score_func` ("softmax" | "sigmoid") and `router_balance_bias` (DeepSeek-V3's auxiliary-loss-free
+  balancing bias; then usually router_aux_loss_coef=0): torchtitan's router options.
+- `experts_impl`: "grouped_mm" (default; hidden_size and intermediate_size multiples of 8) or "loop".
+"""
+
+from models.common.moe import EXPERT_IMPLS, SCORE_FUNCS, check_expert_widths, check_top_k
+from models.llama.configuration import ZooLlamaConfig
+
+
+class ZooMoeConfig(ZooLlamaConfig):
+    model_type = "zoo_moe"
+
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_layer_freq: int = 1
+    router_aux_loss_coef: float = 0.01
+    capacity_factor: float | None = None
+    router_score_func: str = "softmax"
+    router_balance_bias: bool = False
+    experts_impl: str = "grouped_mm"
+
+    def validate(self) -> None:
+        # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
+        super().validate()
+        check_top_k(self.num_experts_per_tok, self.num_local_experts)
+        freq, layers = self.moe_layer_freq, self.num_hidden_layers
+        if isinstance(freq, bool) or not isinstance(freq, int) or not 1 <= freq <= layers:
+            raise ValueError(
+                f"moe_layer_freq={freq!r} must be an integer in 1..num_hidden_layers={layers} (every how many "
+                "layers one is an MoE layer; larger leaves the model without any)."
+            )
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
+            raise ValueError(f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off).")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or cf <= 0):
+            raise ValueError(f"capacity_factor={cf!r} must be a number > 0, or None for dropless routing.")
+        if self.router_score_func not in SCORE_FUNCS:
+            raise ValueError(f"router_score_func={self.router_score_func!r} must be one of {SCORE_FUNCS}.")
+        if self.experts_impl not in EXPERT_IMPLS:
+            raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {EXPERT_IMPLS}.")
+        check_expert_widths(self.hidden_size, self.intermediate_size, self.experts_impl)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (layer_idx + 1) % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def num_parameters_formula(self) -> int:
+        """Parameter count from the shapes alone (the shared harness checks the model against it)."""
+        d, f, e = self.hidden_size, self.intermediate_size, self.num_local_experts
+        dense_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
+        moe_block = d * e + e * 3 * d * f  # router + experts (no biases)
+        return super().num_parameters_formula() + self.num_moe_layers * (moe_block - dense_mlp)

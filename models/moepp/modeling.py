@@ -1,0 +1,218 @@
+"""MoE++ (Jin et al., ICLR 2025): FFN experts plus zero-computation experts, with gating residuals.
+
+Every layer is pre-norm attention then an MoE++ layer (written for one token x^j of layer j):
+
+    G(x^1) = W^1 x^1;   G(x^j) = W^j x^j + W_g^j G(x^{j-1})        router logits, gating residual
+    p      = softmax(G(x^j));  top-2 of p, renormalised over the chosen experts that are not zero experts
+    y      = sum_{i chosen} g_i E_i(x^j)
+             E_i = SwiGLU_i (FFN experts), 0 (zero), x (copy), a1 x + a2 v_i with [a1, a2] = softmax(W_c,i x)
+    L_b    = load_balance_loss with weight 1 for FFN experts and tau for zero-computation ones
+
+The zero expert's weight is given to the other chosen experts, as in the authors' code (gates of the top-k
+renormalised over the non-zero ones): a token that picks the zero expert and one FFN expert gets that
+expert's output in full, i.e. it spends one expert's compute instead of two.
+
+Expert parallelism: the FFN experts are split over the ep ranks and reached through the shared all-to-all
+(models/common/moe.py); the zero-computation experts are replicated on every rank, so their assignments
+are filtered out before the dispatch and never cross the link (the all-to-all carries k_eff instead of k
+rows per token). They are computed here while the dispatch is in flight.
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from models.common import Attention, RMSNorm, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.common.moe import (
+    GroupedExperts,
+    Routing,
+    TopKRouter,
+    dispatch,
+    init_moe_weights,
+    load_balance_loss,
+)
+from models.moepp.configuration import ZooMoeppConfig
+from models.moepp.sharding import PLAN, check_layout
+from parallel import comm
+
+# --- the formulas, each a function so that tests can check it alone ----------------------------------
+
+
+def expert_capacities(num_tokens: int, config: ZooMoeppConfig) -> tuple[int, int]:
+    """(C_FFN, C_ZC): the most assignments one FFN / one zero-computation expert takes from `num_tokens`.
+
+    C_FFN = gamma tau T / (tau N_FFN + N_ZC), C_ZC = gamma T / (tau N_FFN + N_ZC), rounded up. T counts
+    assignments (top_k per token): the capacities then add up to gamma T, room for every assignment with
+    a margin gamma when the load is balanced as the loss asks (each FFN expert taking tau times a
+    zero-computation expert's share). Under expert parallelism T is the rank's own tokens, the same on
+    every rank when the batch is split evenly.
+    """
+    t = config.num_experts_per_tok * num_tokens
+    tau, gamma = config.tau, config.capacity_gamma
+    denominator = tau * config.num_experts + config.num_zc_experts
+    return math.ceil(gamma * tau * t / denominator), math.ceil(gamma * t / denominator)
+
+
+def within_capacity(expert_idx: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """Which assignments an expert of capacity `capacity[e]` keeps: its first ones in assignment order
+    (earlier tokens first, as the shared dispatch drops). expert_idx: [A]; capacity: [N]. A bool mask [A]."""
+    onehot = F.one_hot(expert_idx, capacity.shape[0])
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # how many of this expert's assignments come before
+    return position < capacity[expert_idx]
+
+
+def renormalise_without_zero_experts(routing: Routing, is_zero: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The gates of `routing`'s assignments renormalised over each token's chosen experts that are not zero
+    experts (`is_zero` [A]; a zero expert's gate becomes 0); a token whose every choice is a zero expert
+    keeps all-zero gates. Routing is token-major (k assignments per token), so the sums need no scatter."""
+    gates = routing.gates.masked_fill(is_zero, 0.0).view(num_tokens, -1)
+    total = gates.sum(-1, keepdim=True)
+    return torch.where(total > 0, gates / total.clamp_min(torch.finfo(gates.dtype).tiny), 0.0).flatten()
+
+
+class ConstantExperts(nn.Module):
+    """E_i(x) = a1 x + a2 v_i with [a1, a2] = softmax(W_c,i x): a learned constant v_i mixed into the
+    token by a per-token weight. `weight` stacks the W_c,i ([n, 2, d]), `constant` the v_i ([n, d])."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, 2, hidden_size))
+        self.constant = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """x: [A, d] tokens, expert: [A] which constant expert (0..n-1) each goes to."""
+        scores = x @ self.weight.flatten(0, 1).T  # [A, 2n]: every constant expert's W_c x, cheap at small n
+        scores = scores.view(x.shape[0], self.constant.shape[0], 2)[torch.arange(x.shape[0], device=x.device), expert]
+        a = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        return a[:, :1] * x + a[:, 1:] * self.constant[expert]
+
+
+# --- the layer -----------------------------------------------------------------------------------------
+
+
+class MoePlusPlus(nn.Module):
+    """One MoE++ layer: router with gating residual, FFN experts (grouped, expert-parallel) and the
+    zero-computation experts (local)."""
+
+    def __init__(self, config: ZooMoeppConfig, layer_idx: int):
+        super().__init__()
+        d, n = config.hidden_size, config.num_total_experts
+        self.num_ffn = config.num_local_experts
+        self.first_copy = self.num_ffn + config.num_zero_experts
+        self.first_constant = self.first_copy + config.num_copy_experts
+        self.config = config
+        self.router = TopKRouter(d, n, config.num_experts_per_tok)  # W^j
+        # W_g^j: the first layer has no previous router to read.
+        self.gate_residual = nn.Linear(n, n, bias=False) if config.gating_residual and layer_idx > 0 else None
+        self.experts = GroupedExperts(config.num_local_experts, d, config.intermediate_size, config.experts_impl)
+        self.constant_experts = ConstantExperts(config.num_constant_experts, d)
+        self.ep_group = None  # set by the "ep" plan (sharding.py); None = every expert local
+
+    def forward(self, x: torch.Tensor, previous_logits: torch.Tensor | None):
+        """x: [T, d] (normed). Returns (output [T, d], this layer's router logits [T, N], balance loss or
+        None outside training)."""
+        num_tokens = x.shape[0]
+        residual = None
+        if self.gate_residual is not None and previous_logits is not None:
+            # The router runs in fp32, so does its residual.
+            residual = F.linear(previous_logits.float(), self.gate_residual.weight.float())
+        routing = self.router(x, extra_logits=residual)
+        expert_idx = routing.expert_idx
+        is_zero = (expert_idx >= self.num_ffn) & (expert_idx < self.first_copy)
+        routing = replace(routing, gates=renormalise_without_zero_experts(routing, is_zero, num_tokens))
+        keep = ~is_zero  # a zero expert adds nothing: no row is computed or sent for it
+        if self.config.drop_tokens:
+            c_ffn, c_zc = expert_capacities(num_tokens, self.config)
+            capacity = torch.full((self.router.num_experts,), c_zc, dtype=torch.long, device=x.device)
+            capacity[: self.num_ffn] = c_ffn
+            keep &= within_capacity(expert_idx, capacity)
+        ffn = keep & (expert_idx < self.num_ffn)
+        # Only the FFN experts' assignments enter the all-to-all (issued here, not waited).
+        pending = dispatch(x, routing.select(ffn), self.experts, ep_group=self.ep_group)
+        # The copy and constant experts run on this rank while the dispatch is in flight.
+        zc_out = self.zero_computation(x, routing, keep & ~ffn)
+        pending.compute()  # waits the dispatch, runs this rank's experts, issues the combine
+        out = pending.combine().float() + zc_out  # waits the combine
+        balance = None
+        if self.training and self.config.router_aux_loss_coef > 0:
+            # The heterogeneous loss: eta = 1 for FFN experts, tau for zero-computation ones.
+            ffn_expert = torch.arange(self.router.num_experts, device=x.device) < self.num_ffn
+            eta = torch.where(ffn_expert, 1.0, self.config.tau)
+            balance = load_balance_loss(routing.probs, expert_idx, self.router.num_experts, weights=eta, group=self.ep_group)
+        return out.to(x.dtype), routing.logits, balance
+
+    def zero_computation(self, x: torch.Tensor, routing: Routing, local: torch.Tensor) -> torch.Tensor:
+        """sum of g_i E_i(x) over each token's copy and constant experts (the assignments where `local`),
+        [T, d] in fp32. Summed per (token, slot) like the shared combine: no atomics, a fixed order."""
+        k = self.config.num_experts_per_tok
+        slot = torch.arange(local.shape[0], device=x.device)[local] % k  # routing is token-major
+        token_idx, expert_idx, gates = routing.token_idx[local], routing.expert_idx[local], routing.gates[local]
+        rows = x[token_idx]  # copy experts: E(x) = x
+        is_constant = expert_idx >= self.first_constant
+        constant = self.constant_experts(rows[is_constant], expert_idx[is_constant] - self.first_constant)
+        rows = rows.masked_scatter(is_constant[:, None], constant)
+        slots = x.new_zeros(x.shape[0], k, x.shape[1], dtype=torch.float32)
+        slots = slots.index_put((token_idx, slot), rows.float() * gates[:, None])
+        return slots.sum(1)
+
+
+class MoeppDecoderLayer(nn.Module):
+    """Pre-norm attention, then the MoE++ layer in place of the MLP."""
+
+    def __init__(self, config: ZooMoeppConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention.from_config(config, layer_idx)
+        self.mlp = MoePlusPlus(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.tp_group = None  # set by parallel.parallelize; None = single device
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache, previous_logits):
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
+        x = self.post_attention_layernorm(hidden_states)
+        moe_out, logits, balance = self.mlp(x.flatten(0, 1), previous_logits)
+        return hidden_states + moe_out.view_as(hidden_states), logits, balance
+
+
+class ZooMoeppPreTrainedModel(ZooPreTrainedModel):
+    config_class = ZooMoeppConfig
+    config: ZooMoeppConfig
+    _no_split_modules = ["MoeppDecoderLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # Stacked FFN experts: like a dense MLP's linears, down_proj scaled for the residual stream.
+        init_moe_weights(module, self.config.initializer_range, 1 / math.sqrt(2 * self.config.num_hidden_layers))
+        if isinstance(module, ConstantExperts):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.constant, mean=0.0, std=self.config.initializer_range)
+
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
+        check_layout(self.config, degrees)
+
+
+class ZooMoeppModel(ZooMoeppPreTrainedModel, ZooDecoderModel):
+    def make_layer(self, config, layer_idx):
+        return MoeppDecoderLayer(config, layer_idx)
+
+    def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
+        # Each layer's router logits go down the stack to the next layer's gating residual.
+        logits, balance = None, []
+        for layer in self.layers:
+            hidden_states, logits, loss = layer(hidden_states, position_embeddings, attention_mask, cache, logits)
+            balance.append(loss)
+        balance = [loss for loss in balance if loss is not None]
+        if not balance:  # eval mode, or router_aux_loss_coef = 0
+            return hidden_states
+        return hidden_states, {"load_balance": self.config.router_aux_loss_coef * torch.stack(balance).mean()}
+
+
+class ZooMoeppForCausalLM(ZooMoeppPreTrainedModel, ZooForCausalLM):
+    base_model_class = ZooMoeppModel
+    shard_plan = PLAN
