@@ -246,8 +246,10 @@ def test_resume_with_workers(shared_cache):
 
 def test_resume_refuses_a_different_layout(shared_cache):
     state = _datamodule(batch_size=4).train_dataloader().state_dict()
-    with pytest.raises(ValueError, match="batch_size was 4 and is now 8"):
+    with pytest.raises(ValueError, match=r"the global batch \(batch_size x num_replicas\) was 4 and is now 8"):
         _datamodule(batch_size=8).train_dataloader().load_state_dict(state)
+    # The same global batch over another number of data-parallel ranks takes the same samples per step.
+    _datamodule(batch_size=2, dp_size=2, dp_rank=1).train_dataloader().load_state_dict(state)
 
 
 def test_data_parallel_ranks_take_disjoint_slices(shared_cache):

@@ -191,8 +191,8 @@ class CausalLMModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         if nonfinite:
             self._nonfinite(f"train/loss is {loss.item()}")
-            # skip: a zero loss that reaches every parameter, so that backward (and under DDP its
-            # all-reduce) runs as on any step on every rank (Lightning refuses a None loss when
+            # skip: a zero loss that reaches every parameter, so that backward (and the gradient
+            # all-reduce that follows it) runs as on any step on every rank (Lightning refuses a None loss when
             # distributed); on_before_optimizer_step then drops the update.
             self._skip_update = True
             return sum(p.sum() for p in self.parameters()) * 0.0

@@ -4,7 +4,9 @@ A Hydra app over `conf/pretrain.yaml` (lightning-hydra-template layout) that tra
 with Lightning:
 
 1. seeds everything and instantiates the data module, the `CausalLMModule`, loggers, callbacks and
-   the Trainer from the config;
+   the Trainer from the config; with a parallel degree above 1 (`parallel.{dp,ep,sp,tp}`) the Trainer
+   runs on `train.strategy.ZooParallelStrategy` over those degrees, and `trainer.devices=auto` becomes
+   the processes per node they need (`build_trainer`; `check_config` refuses a mismatch first);
 2. validates once before training (the step-0 perplexity), unless it resumes;
 3. fits, continuing from `<run dir>/checkpoints/last.ckpt` when it exists (`resume=auto`);
 4. on rank 0 saves the final model and tokenizer with `models.save_checkpoint` to `<run dir>/hf/`, logs
@@ -134,7 +136,7 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 def check_config(cfg: DictConfig) -> None:
     """Catches the mistakes that would otherwise fail late: in the first forward, after the step-0
-    validation, or in processes already started. Cheap: nothing is loaded or built."""
+    validation, or in processes already started. Cheap: nothing is loaded, only the model's config built."""
     max_positions = cfg.model.config.get("max_position_embeddings")
     if max_positions is not None and cfg.data.seq_len > max_positions:
         raise ValueError(
@@ -385,10 +387,13 @@ def train(cfg: DictConfig) -> dict:
     # Counted before sharding: the model's count, not one rank's shards'.
     model_parallel = {d: n for d, n in module.degrees.items() if n > 1 and d != "dp"}
     split = " x ".join(f"{n} {PARALLEL_NAMES[d]}-parallel" for d, n in model_parallel.items())
-    log_info(f"model: {cfg.model.name}, {module.num_parameters:,} parameters" + (f" (split over {split} ranks)" if split else ""))
-    if trainer.world_size > 1:
+    note = f" (split over {split} ranks)" if split else ""
+    log_info(f"model: {cfg.model.name}, {module.num_parameters:,} parameters{note}")
+    if isinstance(trainer.strategy, ZooParallelStrategy):
         layout = " x ".join(f"{d}={n}" for d, n in module.degrees.items())
-        log_info(f"parallel: {layout} on {trainer.world_size} processes ({type(trainer.strategy).__name__})")
+        log_info(f"parallel: {layout} = {math.prod(module.degrees.values())} processes (ZooParallelStrategy)")
+    elif trainer.world_size > 1:
+        log_info(f"data parallel: {trainer.world_size} processes ({type(trainer.strategy).__name__})")
 
     ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
     if ckpt_path is not None:

@@ -8,8 +8,8 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
   scores, renormalised to sum to 1 (Mixtral). `balance_bias=True` is DeepSeek-V3's auxiliary-loss-free
   balancing: experts are chosen on scores + `expert_bias` (a buffer, saved with the weights), gates come
   from the scores alone; in training mode the router counts its tokens per expert, and
-  `update_balance_biases(model)` (after each optimizer step) moves every bias by coeff * sign(mean load -
-  load), re-centred to mean 0.
+  `update_balance_biases(model, coeff=1e-3, groups=(ep and dp groups))`, called after each optimizer step,
+  sums those counts over the groups and moves every bias by coeff * sign(mean load - load), re-centred.
 - `Routing`: what the router returns. `token_idx`, `expert_idx`, `gates` [A] (A = T * k assignments,
   token-major: assignment t*k + j is token t's j-th choice), `probs` [T, E] (softmax scores; sigmoid scores
   normalised per token), `logits` [T, E]. `routing.select(keep)` keeps a subset of the assignments (MoE++
@@ -102,7 +102,11 @@ def check_expert_widths(hidden_size: int, intermediate_size: int, impl: str = "g
         raise ValueError(f"Unknown experts implementation {impl!r}; choose one of {EXPERT_IMPLS}.")
     if impl != "grouped_mm":
         return
-    bad = {k: v for k, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)) if v % WIDTH_MULTIPLE}
+    bad = {
+        k: v
+        for k, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size))
+        if v % WIDTH_MULTIPLE
+    }
     if bad:
         fits = "; ".join(f"{k} {_nearby_multiples(v, WIDTH_MULTIPLE)}" for k, v in bad.items())
         raise ValueError(
@@ -120,6 +124,12 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     return top_k * math.ceil(capacity_factor * num_tokens / num_experts)
 
 
+def count_per_index(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `index` (torch.bincount without its device-to-host sync on CUDA;
+    integer sums, so exact in any order)."""
+    return torch.zeros(n, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
 # --- router ------------------------------------------------------------------------------------------
 
 
@@ -135,7 +145,9 @@ class Routing:
 
     def select(self, keep: torch.Tensor) -> "Routing":
         """The assignments where `keep` [A] (bool) is True, in their order; probs and logits unchanged."""
-        return replace(self, token_idx=self.token_idx[keep], expert_idx=self.expert_idx[keep], gates=self.gates[keep])
+        return replace(
+            self, token_idx=self.token_idx[keep], expert_idx=self.expert_idx[keep], gates=self.gates[keep]
+        )
 
 
 class TopKRouter(nn.Module):
@@ -172,7 +184,7 @@ class TopKRouter(nn.Module):
         if self.renormalize:
             gates = gates / gates.sum(-1, keepdim=True)
         if self.balance_bias and self.training:
-            self.tokens_per_expert += torch.bincount(expert_idx.flatten(), minlength=self.num_experts)
+            self.tokens_per_expert += count_per_index(expert_idx.flatten(), self.num_experts)
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         num_tokens = x.shape[0]
         token_idx = torch.arange(num_tokens, device=x.device).repeat_interleave(self.top_k)
@@ -224,11 +236,15 @@ def load_balance_loss(
     group=None,
 ) -> torch.Tensor:
     """E * sum_i eta_i f_i P_i (module docstring); over the ranks of `group` when given."""
-    counts = torch.bincount(expert_idx, minlength=num_experts).to(probs.dtype)
+    counts = count_per_index(expert_idx, num_experts).to(probs.dtype)
     sizes = torch.tensor([expert_idx.numel(), probs.shape[0]], dtype=probs.dtype, device=probs.device)
     # One all-reduce: counts and sizes carry no gradient, the probability sums do.
     totals = _sum_over_ranks(torch.cat([counts, sizes, probs.sum(0)]), group)
-    counts, (assignments, tokens), prob_sums = totals[:num_experts], totals[num_experts : num_experts + 2], totals[num_experts + 2 :]
+    counts, (assignments, tokens), prob_sums = (
+        totals[:num_experts],
+        totals[num_experts : num_experts + 2],
+        totals[num_experts + 2 :],
+    )
     f = counts / assignments.clamp(min=1)
     p = prob_sums / tokens
     eta = torch.ones_like(f) if weights is None else weights.to(f)
@@ -262,11 +278,11 @@ class GroupedExperts(nn.Module):
         if self._use_loop(x):
             return self._forward_loop(x, counts)
         offsets = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device)
-        # grouped_mm computes x @ w[e] per run; nn.Linear-shaped weights [f, d] are read transposed. Its
-        # backward needs a contiguous output gradient, which its callers' ops always give.
+        # grouped_mm computes x @ w[e] per run; nn.Linear-shaped weights [f, d] are read transposed.
         gate = F.grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
         up = F.grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
-        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        return _ContiguousGrad.apply(out)
 
     def _use_loop(self, x: torch.Tensor) -> bool:
         if self.impl == "loop" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -281,6 +297,19 @@ class GroupedExperts(nn.Module):
             h = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
             outs.append(h @ self.down_proj[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, self.down_proj.shape[1])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: grouped_mm's backward refuses an expanded
+    one (the gradient of `out.sum()`, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def init_moe_weights(module: nn.Module, std: float, residual_scale: float = 1.0) -> None:
@@ -303,43 +332,59 @@ def _group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+@dataclass(eq=False)
 class MoEDispatch:
     """An MoE layer's tokens in flight: made by `dispatch`, then `compute()`, then `combine()`."""
 
-    def __init__(self, **state):
-        self.__dict__.update(state)
-        self._stage = "dispatched"
+    experts: GroupedExperts
+    ep_group: object
+    ep_size: int
+    num_tokens: int  # T, of this rank
+    dtype: torch.dtype  # x's, for the combined output
+    in_flight: comm.Handle  # the dispatch all-to-all, then the combine all-to-all
+    send_splits: list[int]  # rows this rank sends to each ep rank
+    recv_splits: list[int]  # rows it receives from each
+    expert_counts: list[int]  # rows each local expert receives, over all sources
+    gates: torch.Tensor  # [A_kept] fp32, the sent rows' gates, in the order they were sent
+    token_idx: torch.Tensor  # [A_kept] the token of each sent row
+    slot_idx: torch.Tensor  # [A_kept] its place among that token's assignments
+    slots: int  # the most assignments any token has
+    expert_major: torch.Tensor | None = None  # received rows -> (local expert, source rank) runs (ep > 1)
+    back_to_sources: torch.Tensor | None = None  # its inverse
+    stage: str = "dispatched"
 
     def compute(self) -> None:
         """Wait the dispatch all-to-all, run the local experts, issue the combine all-to-all."""
-        if self._stage != "dispatched":
-            raise RuntimeError(f"MoEDispatch.compute() runs once, after dispatch; this one is {self._stage}.")
-        received = self._dispatch.wait()  # [R, d], runs by (source rank, local expert)
+        if self.stage != "dispatched":
+            raise RuntimeError(f"MoEDispatch.compute() runs once, after dispatch; this one is {self.stage}.")
+        received = self.in_flight.wait()  # [R, d], runs by (source rank, local expert)
         if self.ep_size > 1:
             # Expert-major order for the grouped matmul: (local expert, source rank) runs.
-            received = received[self._expert_major]
-        out = self.experts(received, self._expert_counts)
+            received = received[self.expert_major]
+        out = self.experts(received, self.expert_counts)
         if self.ep_size > 1:
-            out = out[self._back_to_sources]
+            out = out[self.back_to_sources]
         # Returned the way the tokens came: splits swapped.
-        self._combine = comm.all_to_all(out, self.ep_group, self._recv_splits, self._send_splits)
-        self._stage = "computed"
+        self.in_flight = comm.all_to_all(out, self.ep_group, self.recv_splits, self.send_splits)
+        self.stage = "computed"
 
     def combine(self) -> torch.Tensor:
         """Wait the combine all-to-all; each token's output = sum of gate * expert output, [T, d] in x's dtype."""
-        if self._stage != "computed":
-            raise RuntimeError(f"MoEDispatch.combine() runs once, after compute(); this one is {self._stage}.")
-        returned = self._combine.wait()  # [A_kept, d] in the expert-sorted order of this rank's assignments
-        weighted = returned.float() * self._gates[:, None]
+        if self.stage != "computed":
+            raise RuntimeError(f"MoEDispatch.combine() runs once, after compute(); this one is {self.stage}.")
+        returned = self.in_flight.wait()  # [A_kept, d] in the expert-sorted order of this rank's assignments
+        weighted = returned.float() * self.gates[:, None]
         # Each (token, slot) receives exactly one row, so this is a copy, not an accumulation; the sum over
         # slots then runs in a fixed order on every device.
-        slots = weighted.new_zeros(self.num_tokens, self._slots, weighted.shape[-1])
-        slots = slots.index_put((self._token_idx, self._slot_idx), weighted)
-        self._stage = "combined"
-        return slots.sum(1).to(self.dtype)
+        by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
+        by_slot = by_slot.index_put((self.token_idx, self.slot_idx), weighted)
+        self.stage = "combined"
+        return by_slot.sum(1).to(self.dtype)
 
 
-def dispatch(x: torch.Tensor, assignments, experts: GroupedExperts, ep_group=None, capacity: int | None = None) -> MoEDispatch:
+def dispatch(
+    x: torch.Tensor, assignments, experts: GroupedExperts, ep_group=None, capacity: int | None = None
+) -> MoEDispatch:
     """Send each assignment's token to the rank holding its expert (module docstring); the all-to-all is
     issued, not waited."""
     num_tokens, device = x.shape[0], x.device
@@ -353,14 +398,14 @@ def dispatch(x: torch.Tensor, assignments, experts: GroupedExperts, ep_group=Non
         )
     # Expert-sorted order; stable, so each expert's assignments keep their order (earlier tokens first).
     order = torch.argsort(expert_idx, stable=True)
-    counts = torch.bincount(expert_idx, minlength=num_experts)
+    counts = count_per_index(expert_idx, num_experts)
     if capacity is not None:
         first = counts.cumsum(0) - counts
         position = torch.arange(order.numel(), device=device) - first[expert_idx[order]]
         order = order[position < capacity]
         counts = counts.clamp(max=capacity)
     # Slot of each assignment among its token's assignments, so that combine sums them without atomics.
-    per_token = torch.bincount(token_idx, minlength=num_tokens)
+    per_token = count_per_index(token_idx, num_tokens)
     by_token = torch.argsort(token_idx, stable=True)
     token_first = per_token.cumsum(0) - per_token
     slot = torch.empty_like(token_idx)
@@ -378,25 +423,26 @@ def dispatch(x: torch.Tensor, assignments, experts: GroupedExperts, ep_group=Non
     recv_splits = [sum(row) for row in recv_rows]
     routed = x[token_idx[order]]
     pending = comm.all_to_all(routed, ep_group, send_splits, recv_splits)  # issued, waited in compute()
-    expert_counts = [sum(row[e] for row in recv_rows) for e in range(local)]
-    state = dict(
+    expert_major = back_to_sources = None
+    if ep_size > 1:
+        expert_major, back_to_sources = _expert_major_order(recv_rows, device)
+    return MoEDispatch(
         experts=experts,
         ep_group=ep_group,
         ep_size=ep_size,
         num_tokens=num_tokens,
         dtype=x.dtype,
-        _dispatch=pending,
-        _send_splits=send_splits,
-        _recv_splits=recv_splits,
-        _expert_counts=expert_counts,
-        _gates=gates[order].float(),
-        _token_idx=token_idx[order],
-        _slot_idx=slot[order],
-        _slots=slots,
+        in_flight=pending,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        expert_counts=[sum(row[e] for row in recv_rows) for e in range(local)],
+        gates=gates[order].float(),
+        token_idx=token_idx[order],
+        slot_idx=slot[order],
+        slots=slots,
+        expert_major=expert_major,
+        back_to_sources=back_to_sources,
     )
-    if ep_size > 1:
-        state["_expert_major"], state["_back_to_sources"] = _expert_major_order(recv_rows, device)
-    return MoEDispatch(**state)
 
 
 def _expert_major_order(recv_rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,6 +500,8 @@ class SparseMoE(nn.Module):
         y = pending.combine()  # waits the combine
         aux = {}
         if self.training and self.aux_loss_coef > 0:
-            balance = load_balance_loss(routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group)
+            balance = load_balance_loss(
+                routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group
+            )
             aux["load_balance"] = self.aux_loss_coef * balance
         return y.view(shape), aux

@@ -41,7 +41,9 @@ class ZooMoeConfig(ZooLlamaConfig):
             )
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-            raise ValueError(f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off).")
+            raise ValueError(
+                f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off)."
+            )
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or cf <= 0):
             raise ValueError(f"capacity_factor={cf!r} must be a number > 0, or None for dropless routing.")

@@ -67,7 +67,9 @@ class ZooMoePreTrainedModel(ZooPreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         # Stacked experts: like the dense MLP's linears, down_proj scaled for the residual stream.
-        init_moe_weights(module, self.config.initializer_range, 1 / math.sqrt(2 * self.config.num_hidden_layers))
+        init_moe_weights(
+            module, self.config.initializer_range, 1 / math.sqrt(2 * self.config.num_hidden_layers)
+        )
 
     def check_layout(self, degrees: dict[str, int]) -> None:
         """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""

@@ -53,7 +53,7 @@ def expert_capacities(num_tokens: int, config: ZooMoeppConfig) -> tuple[int, int
     """
     t = config.num_experts_per_tok * num_tokens
     tau, gamma = config.tau, config.capacity_gamma
-    denominator = tau * config.num_experts + config.num_zc_experts
+    denominator = tau * config.num_local_experts + config.num_zc_experts
     return math.ceil(gamma * tau * t / denominator), math.ceil(gamma * t / denominator)
 
 
