@@ -1,10 +1,11 @@
-"""Speed benchmark of the zoo's architectures under tensor parallelism: `python -m eval.bench`.
+"""Speed benchmark of the zoo's architectures over mesh degrees (tp, ep, ...): `python -m eval.bench`.
 
 Random weights at a given shape (`conf/bench_shape/`), greedy generation from a random prompt:
 prefill (time to first token) and the decode loop are timed separately after warm-up, the device
 synchronised at each boundary, median and min/max over repeats (gpt-fast's benchmark loop). Each
-architecture and TP degree is measured in one run in three ways (DESIGN.md, "Measuring speed
-honestly"):
+architecture is measured at each degree point (`tp: [2, 4]` gives {"tp": 2} and {"tp": 4}, `ep: [2]`
+gives {"ep": 2}, `degrees: [{ep: 2, tp: 2}]` a point of several dimensions) in one run in three ways
+(DESIGN.md, "Measuring speed honestly"):
 
 - `simulated`: this process plays rank 0 of a P-way fake process group, holds only its shards and
   computes for real; collectives go on the virtual link of `parallel.link` (one row per preset) and
@@ -16,15 +17,27 @@ honestly"):
 Repeats are interleaved across architectures (repeat r of every arch before repeat r+1) so slow drift
 in a shared machine's load hits every architecture alike. Per row (one architecture at one set of mesh
 degrees, `{"tp": 2}`, one variant and batch size): prefill ms, decode tokens/s, communication
-calls/bytes per forward, exposed communication (simulated). `eval.bench_report` adds the speed-up over
-the baseline and the hidden fraction (T_base - T_arch) / (T_base - T_upper_bound) and writes
-results.json, README.md (tables) and PNG plots under the run directory, and a W&B run.
+calls/bytes per forward, exposed communication (simulated), in total and per collective kind. Rows of
+architectures with expert-parallel all-to-alls also carry, per MoE layer, the all-to-all bytes counted
+beside the entry's dropless formula and (simulated) the all-to-all link time, the part of it left
+exposed and the share hidden (`all_to_all_columns`). `eval.bench_report` adds the speed-up over the
+baseline and the hidden fraction (T_base - T_arch) / (T_base - T_upper_bound) and writes results.json,
+README.md (tables) and PNG plots under the run directory, and a W&B run.
+
+An architecture whose layout refuses a degree point (llama has no ep layout) is skipped at that point
+and listed in the report; a point no architecture fits is an error. Links per mesh dimension:
+`simulated.links` entries are a preset for every dimension or {dimension: preset}.
+
+`expert_throughput` (off by default): one MoE layer's forward timed for real on this device, no
+communication, each router pushed to the load its balance loss aims for (MoE++ at tau), tokens/s of
+each layer beside the first's: its own rows, in results.json under "expert_throughput".
 
 Nothing here names an architecture: how the bench shape becomes an architecture's config
-(`bench_config`) and which degrees fit it (`check_layout`) come from its registry entry
-(models/<name>/entry.py and sharding.py).
+(`bench_config`), which degrees fit it (`check_layout`) and what it sends (`collectives_per_forward`)
+come from its registry entry (models/<name>/entry.py and sharding.py).
 """
 
+import inspect
 import json
 import os
 import platform
@@ -45,23 +58,79 @@ import models
 import parallel
 from eval import bench_report
 from models.common import RMSNorm, SwiGLUMLP
+from models.common.moe import GroupedExperts, TopKRouter
 from parallel import comm
 from parallel.link import LINK_PRESETS
+from parallel.mesh import DIM_ORDER
 
 # --- setup ------------------------------------------------------------------------------------
 
 
-def degree_points(tps) -> list[dict[str, int]]:
-    """The mesh degrees measured: one {"tp": P} per TP degree of the settings."""
-    return [{"tp": p} for p in tps]
+def bench_points(cfg: dict) -> list[dict[str, int]]:
+    """The points the single-process variants (simulated, upper bound) measure."""
+    return bench_report.degree_points(cfg["tp"], cfg.get("ep"), cfg.get("degrees"))
 
 
-def model_config(cfg: dict, arch: str, degrees: dict[str, int]):
+def real_points(cfg: dict) -> list[dict[str, int]]:
+    """The points launched as real processes (after `resolve_real`)."""
+    real = cfg["real"]
+    if not real["enabled"]:
+        return []
+    return bench_report.degree_points(real["tp"], real.get("ep"), real.get("degrees"))
+
+
+def resolve_real(cfg: dict, device_type: str) -> dict:
+    """`auto` real degrees: on CPU only 2-rank points ([2] for an axis the bench measures; every rank needs
+    cores of its own), every point on GPUs (one needing more GPUs than the machine has is skipped later)."""
+    real = dict(cfg["real"])
+    for axis in ("tp", "ep"):
+        if real.get(axis, "auto") == "auto":
+            wanted = list(cfg.get(axis) or [])
+            real[axis] = ([2] if wanted else []) if device_type == "cpu" else wanted
+    if real.get("degrees", "auto") == "auto":
+        real["degrees"] = [] if device_type == "cpu" else list(cfg.get("degrees") or [])
+    return {**cfg, "real": real}
+
+
+def model_config(cfg: dict, arch: str, degrees: dict[str, int], **extra):
     """The config of `arch` at the bench shape and `degrees`, as its own folder builds it (its registry
-    entry's `bench_config`), with `config_overrides[arch]` on top."""
+    entry's `bench_config`), with `config_overrides[arch]` on top (and `extra` on top of those)."""
     shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
     overrides = (cfg.get("config_overrides") or {}).get(arch) or {}
-    return models.get(arch).bench_config(shape, degrees, **overrides)
+    return models.get(arch).bench_config(shape, degrees, **{**overrides, **extra})
+
+
+def archs_at_points(cfg: dict, points: list[dict[str, int]]) -> tuple[dict[tuple, list[str]], list[str]]:
+    """Which of `archs` run at each degree point ({degrees_key: [arch, ...]}) and a note for each one
+    skipped (its config or its `check_layout` refuses the point: llama has no ep layout). A point that
+    no architecture fits is an error naming each one's reason."""
+    archs_at, skipped = {}, []
+    for degrees in points:
+        label, fit, refused = bench_report.degrees_label(degrees), [], []
+        for arch in cfg["archs"]:
+            try:
+                models.get(arch).check_layout(model_config(cfg, arch, degrees), degrees)
+            except ValueError as err:
+                refused.append(f"{arch}: {err}")
+            else:
+                fit.append(arch)
+        if not fit:
+            raise ValueError(f"No architecture of archs={list(cfg['archs'])} fits the degrees {label}. " + " ".join(refused))
+        archs_at[bench_report.degrees_key(degrees)] = fit
+        skipped += [f"{label}: {reason}" for reason in refused]
+    return archs_at, skipped
+
+
+def link_label(link) -> str:
+    """A `simulated.links` entry as rows name it: the preset, or `ep=pcie4,tp=nvlink-h100` per dimension."""
+    if isinstance(link, dict):
+        return ",".join(f"{dim}={preset}" for dim, preset in sorted(link.items()))
+    return link
+
+
+def link_of(link, dim: str) -> str | None:
+    """The preset a collective over mesh dimension `dim` runs on under this `simulated.links` entry."""
+    return link.get(dim) if isinstance(link, dict) else link
 
 
 def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: torch.device, dtype: torch.dtype):
@@ -91,25 +160,48 @@ def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: t
     return model
 
 
-def check_settings(cfg: dict) -> None:
-    """Fail before measuring anything if an architecture cannot be built at the shape and every degree
-    measured (each architecture's own `check_layout`), or a setting is out of range."""
-    tps = sorted(set(cfg["tp"]) | set(cfg["real"]["tp"] if cfg["real"]["enabled"] else []))
-    for p in tps:
+def _check_degree_list(values, name: str) -> None:
+    for p in values or ():
         if isinstance(p, bool) or not isinstance(p, int) or p < 2:
-            raise ValueError(f"TP degree {p!r} in the bench must be an integer >= 2 (TP 1 has no communication).")
+            raise ValueError(f"{name} degree {p!r} in the bench must be an integer >= 2 (degree 1 has no communication).")
+
+
+def _check_points(points: list[dict[str, int]], what: str) -> None:
+    for d in points:
+        bad = [k for k in d if k not in DIM_ORDER]
+        if bad:
+            raise ValueError(f"{what} point {d} names {bad}; mesh dimensions are {list(DIM_ORDER)}.")
+        for k, p in d.items():
+            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+                raise ValueError(f"{what} point {d}: {k}={p!r} must be a positive integer.")
+        if bench_report.ranks(d) < 2:
+            raise ValueError(f"{what} point {d} has one rank, so no communication to measure; give a degree >= 2.")
+
+
+def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
+    """Fail before measuring anything if a setting is out of range, an architecture cannot be built at the
+    shape, or a degree point fits no architecture (each architecture's own `check_layout`). Returns which
+    architectures run at each point and the notes of those skipped (`archs_at_points`)."""
+    _check_degree_list(cfg["tp"], "TP")
+    _check_degree_list(cfg.get("ep"), "EP")
+    points = bench_points(cfg)
+    _check_points(points, "degrees")
+    if not points:
+        raise ValueError("No degree point to measure: give tp, ep or degrees (e.g. tp=[2] or ep=[2]).")
+    cfg = resolve_real(cfg, resolve_device(cfg)[0].type)
+    _check_degree_list(cfg["real"]["tp"], "real TP")
+    _check_degree_list(cfg["real"].get("ep"), "real EP")
+    reals = real_points(cfg)
+    _check_points(reals, "real")
     for name in cfg.get("config_overrides") or {}:
         if name not in cfg["archs"]:
             raise ValueError(f"config_overrides names {name!r}, which is not in archs={list(cfg['archs'])}.")
     for arch in cfg["archs"]:
-        entry = models.get(arch)
-        if entry.bench_config is None:
+        if models.get(arch).bench_config is None:
             raise ValueError(
                 f"Architecture {arch!r} declares no bench_config (models/<name>/entry.py, passed to "
                 "models.register), so the bench cannot build it at a shape; leave it out of archs."
             )
-        for degrees in degree_points(tps):
-            entry.check_layout(model_config(cfg, arch, degrees), degrees)
     if cfg["baseline"] not in cfg["archs"]:
         raise ValueError(f"baseline={cfg['baseline']!r} must be one of archs={list(cfg['archs'])}.")
     if cfg["new_tokens"] < 2:
@@ -117,8 +209,23 @@ def check_settings(cfg: dict) -> None:
     if cfg["repeats"] < 1:
         raise ValueError(f"repeats={cfg['repeats']} must be at least 1.")
     for link in cfg["simulated"]["links"]:
-        if link not in LINK_PRESETS:
-            raise ValueError(f"Unknown link preset {link!r}; choose from {sorted(LINK_PRESETS)}.")
+        presets = link.values() if isinstance(link, dict) else [link]
+        for preset in presets:
+            if preset not in LINK_PRESETS:
+                raise ValueError(f"Unknown link preset {preset!r}; choose from {sorted(LINK_PRESETS)}.")
+        if isinstance(link, dict) and cfg["simulated"]["enabled"]:
+            for d in points:
+                missing = [dim for dim, n in d.items() if n > 1 and dim not in link]
+                if missing:
+                    raise ValueError(
+                        f"simulated.links entry {link} names no link for {missing}, which the point {d} "
+                        f"communicates over; add one (e.g. {{{missing[0]}: pcie4}}) or give one preset for all."
+                    )
+    check_expert_throughput(cfg)
+    archs_at, skipped = archs_at_points(cfg, points)
+    if reals:
+        archs_at.update(archs_at_points(cfg, reals)[0])
+    return archs_at, skipped
 
 
 def resolve_device(cfg: dict) -> tuple[torch.device, torch.dtype]:
@@ -138,10 +245,11 @@ def resolve_device(cfg: dict) -> tuple[torch.device, torch.dtype]:
 
 
 def cpu_threads(cfg: dict) -> int | None:
-    """Threads per process: `auto` = one rank's share of the cores when the largest P ranks share them."""
+    """Threads per process: `auto` = one rank's share of the cores when the largest P ranks share them
+    (the most ranks of any point measured, simulated or real; `cfg` with its real degrees resolved)."""
     if cfg["threads"] != "auto":
         return int(cfg["threads"]) if cfg["threads"] else None
-    ranks = max([*cfg["tp"], *(cfg["real"]["tp"] if cfg["real"]["enabled"] else [])])
+    ranks = max(bench_report.ranks(d) for d in [*bench_points(cfg), *real_points(cfg)])
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
@@ -180,7 +288,7 @@ def _cpu_model() -> str:
 class WallTimer:
     """Wall time with the device synchronised at both ends (and ranks aligned by a barrier if real)."""
 
-    exposed = comm_busy = None
+    exposed = comm_busy = exposed_by = busy_by = None
 
     def __init__(self, device: torch.device, barrier: bool = False):
         self.device, self.barrier = device, barrier
@@ -212,6 +320,8 @@ class ClockTimer:
     def stop(self) -> float:
         t = self.clock.elapsed()
         self.exposed, self.comm_busy = self.clock.exposed, self.clock.comm_busy
+        # Per label (collective kind; the count exchange of expert parallelism apart): the MoE columns.
+        self.exposed_by, self.busy_by = dict(self.clock.exposed_by), dict(self.clock.busy_by)
         return t
 
 
@@ -222,7 +332,7 @@ def generate_once(model, ids: torch.Tensor, new_tokens: int, timer) -> dict:
     timer.start()
     out = model(ids, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    prefill = {"time": timer.stop(), "exposed": timer.exposed, "comm_busy": timer.comm_busy}
+    prefill = _phase(timer)
     prefill["counts"] = comm.snapshot_counters()
     comm.reset_counters()
     cache = out.cache
@@ -231,9 +341,15 @@ def generate_once(model, ids: torch.Tensor, new_tokens: int, timer) -> dict:
         out = model(token, cache=cache, use_cache=True)
         cache = out.cache
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-    decode = {"time": timer.stop(), "exposed": timer.exposed, "comm_busy": timer.comm_busy}
+    decode = _phase(timer)
     decode["counts"] = comm.snapshot_counters()
     return {"prefill": prefill, "decode": decode}
+
+
+def _phase(timer) -> dict:
+    t = timer.stop()
+    return {"time": t, "exposed": timer.exposed, "comm_busy": timer.comm_busy, "exposed_by": timer.exposed_by,
+            "busy_by": timer.busy_by}  # fmt: skip
 
 
 def measure_interleaved(built: dict, cfg: dict, batch: int, make_timer, device) -> dict[str, list[dict]]:
@@ -279,6 +395,11 @@ def summarize(runs: list[dict], batch: int, new_tokens: int) -> dict:
             # for it this should be 1; less means the clock counted time between issue and wait as compute.
             busy = row[f"{phase}_comm_busy_ms"]
             row[f"{phase}_exposed_share"] = row[f"{phase}_exposed_ms"] / busy if busy > 0 else None
+            labels = sorted({k for r in runs for k in r[phase]["busy_by"]})
+            for name, key in (("exposed_ms_by_kind", "exposed_by"), ("comm_busy_ms_by_kind", "busy_by")):
+                row[f"{phase}_{name}"] = {
+                    k: 1e3 * statistics.median(r[phase][key].get(k, 0.0) for r in runs) / per for k in labels
+                }
     # Per-forward names: prefill is one forward, decode figures are per step (one forward each).
     return row
 
@@ -286,24 +407,26 @@ def summarize(runs: list[dict], batch: int, new_tokens: int) -> dict:
 # --- the variants -----------------------------------------------------------------------------
 
 
-def run_single_process(cfg: dict, degrees: dict[str, int], device, dtype) -> list[dict]:
-    """Simulated-link and upper-bound rows at `degrees`, one process playing rank 0."""
+def run_single_process(cfg: dict, degrees: dict[str, int], archs: list[str], device, dtype) -> list[dict]:
+    """Simulated-link and upper-bound rows of `archs` at `degrees`, one process playing rank 0."""
     rows = []
     p = bench_report.ranks(degrees)
     mesh = parallel.init_mesh(**degrees, fake=True)
     try:
-        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in cfg["archs"]}
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         for batch in cfg["batch_sizes"]:
             if cfg["simulated"]["enabled"]:
                 for link in cfg["simulated"]["links"]:
+                    # A dict gives each mesh dimension its own link (parallel.comm times each collective on
+                    # its group's); a preset name is the link of every dimension.
                     with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
                         runs = measure_interleaved(built, cfg, batch, lambda c=clock: ClockTimer(c), device)
-                    rows += _rows(runs, cfg, degrees, batch, "simulated", link)
+                    rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
             if cfg["upper_bound"]["enabled"]:
                 with comm.use_mode("none"):
                     runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device)
-                rows += _rows(runs, cfg, degrees, batch, "upper_bound", None)
+                rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
         del built
     finally:
         if dist.is_initialized():
@@ -311,13 +434,218 @@ def run_single_process(cfg: dict, degrees: dict[str, int], device, dtype) -> lis
     return rows
 
 
-def _rows(runs, cfg, degrees, batch, variant, link) -> list[dict]:
+def _rows(runs, cfg, degrees, batch, variant, link, dtype) -> list[dict]:
     out = []
     for arch, arch_runs in runs.items():
-        row = {"arch": arch, "degrees": dict(degrees), "variant": variant, "link": link, "batch": batch}
+        row = {"arch": arch, "degrees": dict(degrees), "variant": variant, "link": None, "batch": batch}
+        if link is not None:
+            row["link"] = link_label(link)
+            row["links"] = link  # the setting itself: one preset, or {dimension: preset}
         row.update(summarize(arch_runs, batch, cfg["new_tokens"]))
+        row.update(all_to_all_columns(row, cfg, arch, degrees, dtype))
         out.append(row)
     return out
+
+
+# --- MoE: all-to-all per layer -----------------------------------------------------------------
+
+
+def all_to_all_columns(row: dict, cfg: dict, arch: str, degrees: dict[str, int], dtype: torch.dtype) -> dict:
+    """Per MoE layer, for a row whose forward sent token all-to-alls (expert parallelism), per phase
+    (prefill = one forward of batch x prompt tokens, decode = one step of batch tokens):
+
+    - `{phase}_moe_layers`: all-to-all calls / 2 (dispatch and combine per MoE layer, models/common/moe.py);
+    - `{phase}_a2a_bytes`: bytes per token all-to-all, counted by comm.counters (the rows this rank hands
+      to the all-to-all, its own chunk included; the count exchange is counted apart);
+    - `{phase}_a2a_formula_bytes`: the same from the architecture's declared collectives_per_forward, which
+      is the spec's dropless T_local * k * h * bytes (MoE++: k_eff at the balanced load, not an integer);
+      `{phase}_a2a_link_bytes_formula` = that * (P-1)/P, the part that leaves the rank (specs/moe.md);
+      `{phase}_a2a_rows_per_token` and `..._formula`: the same two as rows (experts) per token, k;
+    - simulated rows: `{phase}_a2a_link_ms_per_layer` (the link model's time of the layer's two token
+      all-to-alls), `{phase}_a2a_exposed_ms_per_layer` (the part of it the rank waited for, from the
+      virtual clock), `{phase}_a2a_hidden_share` = 1 - exposed / link time, and
+      `{phase}_count_exchange_exposed_ms_per_layer` (the blocking exchange of per-expert counts);
+      `a2a_hidden_anchor`: the published share for this architecture on the ep link (settings `anchors`).
+    """
+    out = {}
+    p = degrees.get("ep", 1)  # the expert-parallel all-to-alls run over ep
+    config = model_config(cfg, arch, degrees)
+    d, elem = config.hidden_size, torch.empty((), dtype=dtype).element_size()
+    declared = (models.get(arch).collectives_per_forward or (lambda c, g: {}))(config, degrees).get("all_to_all")
+    tokens = {"prefill": row["batch"] * cfg["prompt_len"], "decode": row["batch"]}
+    for phase, n in tokens.items():
+        a2a = row[f"{phase}_comm_by_kind"].get("all_to_all")
+        if not a2a or not a2a["calls"]:
+            continue
+        layers = a2a["calls"] / 2
+        per_call = a2a["bytes"] / a2a["calls"]
+        out[f"{phase}_moe_layers"] = layers
+        out[f"{phase}_a2a_bytes"] = per_call
+        out[f"{phase}_a2a_rows_per_token"] = per_call / (n * d * elem)
+        if declared is not None and declared.calls:
+            formula = declared.values_per_token / declared.calls * n * elem
+            out[f"{phase}_a2a_formula_bytes"] = formula
+            out[f"{phase}_a2a_link_bytes_formula"] = formula * (p - 1) / p
+            out[f"{phase}_a2a_rows_per_token_formula"] = declared.values_per_token / declared.calls / d
+        busy, exposed = row.get(f"{phase}_comm_busy_ms_by_kind"), row.get(f"{phase}_exposed_ms_by_kind")
+        if busy is not None:
+            link_ms = busy.get("all_to_all", 0.0) / layers
+            exposed_ms = exposed.get("all_to_all", 0.0) / layers
+            out[f"{phase}_a2a_link_ms_per_layer"] = link_ms
+            out[f"{phase}_a2a_exposed_ms_per_layer"] = exposed_ms
+            out[f"{phase}_a2a_hidden_share"] = 1 - exposed_ms / link_ms if link_ms > 0 else None
+            out[f"{phase}_count_exchange_exposed_ms_per_layer"] = exposed.get("exchange_splits", 0.0) / layers
+    if out and row.get("links") is not None:
+        anchors = ((cfg.get("anchors") or {}).get("a2a_hidden_share") or {}).get(arch) or {}
+        out["a2a_hidden_anchor"] = anchors.get(link_of(row["links"], "ep"))
+    return out
+
+
+# --- MoE: one expert layer's throughput, for real on one device ---------------------------------
+
+
+def expert_layer_label(spec: dict) -> str:
+    """`moepp tau=0.75`: the architecture and the config fields set for this entry."""
+    overrides = spec.get("overrides") or {}
+    return " ".join([spec["arch"], *(f"{k}={v}" for k, v in overrides.items())])
+
+
+def check_expert_throughput(cfg: dict) -> None:
+    et = cfg.get("expert_throughput") or {}
+    if not et.get("enabled"):
+        return
+    if not et.get("layers"):
+        raise ValueError("expert_throughput.layers is empty: list the MoE layers to time, the baseline first.")
+    if et["tokens"] < 1 or et["repeats"] < 1:
+        raise ValueError(f"expert_throughput needs tokens >= 1 and repeats >= 1, got {et['tokens']}, {et['repeats']}.")
+    for spec in et["layers"]:
+        entry = models.get(spec["arch"])
+        config = model_config(cfg, spec["arch"], {}, **(spec.get("overrides") or {}))
+        declared = entry.collectives_per_forward(config, {"ep": 2}) if entry.collectives_per_forward else {}
+        if "all_to_all" not in declared:
+            raise ValueError(
+                f"expert_throughput times MoE layers, but {spec['arch']!r} declares no expert-parallel all-to-all "
+                "(collectives_per_forward at ep 2); list MoE architectures only."
+            )
+
+
+def first_moe_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The first module with a top-k `router` and grouped `experts` (models/common/moe.py): an MoE layer."""
+    for module in model.modules():
+        if isinstance(getattr(module, "router", None), TopKRouter) and isinstance(
+            getattr(module, "experts", None), GroupedExperts
+        ):
+            return module
+    raise ValueError(f"{type(model).__name__} has no MoE layer (a module with a TopKRouter and GroupedExperts).")
+
+
+def _ffn_rows_per_token(layer, x: torch.Tensor, offset: float) -> float:
+    """Rows per token the router sends to the grouped (FFN) experts when the experts past them
+    (MoE++'s zero-computation experts) get `offset` added to their logits."""
+    n_ffn, n = layer.experts.num_experts, layer.router.num_experts
+    bias = torch.zeros(n, device=x.device)
+    bias[n_ffn:] = offset
+    routing = layer.router(x, extra_logits=bias.expand(x.shape[0], n))
+    return (routing.expert_idx < n_ffn).sum().item() / x.shape[0]
+
+
+def route_at_target(layer, x: torch.Tensor, target: float) -> float:
+    """Push `layer`'s router to the load its balance loss aims for: `target` rows per token to the grouped
+    experts (the entry's declared all-to-all rows per token, k_eff for MoE++). Random weights route about
+    uniformly over ALL experts whatever tau is, so without this tau would change nothing; trained routers
+    reach that load through the heterogeneous balance loss. A logit offset on the experts past the grouped
+    ones (none in a plain MoE) is found by bisection and added on every call by a forward pre-hook on the
+    router (no model code changes). Returns the offset (0 without such experts)."""
+    if layer.router.num_experts == layer.experts.num_experts:
+        return 0.0
+    lo, hi = -30.0, 30.0  # rows per token fall as the offset grows
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if _ffn_rows_per_token(layer, x, mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    offset = (lo + hi) / 2
+    n_ffn, n = layer.experts.num_experts, layer.router.num_experts
+    bias = torch.zeros(n, device=x.device)
+    bias[n_ffn:] = offset
+
+    def add_bias(module, args, kwargs):
+        extra = kwargs.get("extra_logits")
+        kwargs["extra_logits"] = bias if extra is None else extra + bias
+        return args, kwargs
+
+    layer.router.register_forward_pre_hook(add_bias, with_kwargs=True)
+    return offset
+
+
+def expert_throughput(cfg: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Tokens/s of one MoE layer's forward (router, experts, combine; no communication: every expert on this
+    device), for each entry of `expert_throughput.layers` at the bench shape, timed for real, interleaved
+    over repeats like the generation bench; the first entry is the baseline of `speedup`. Each router is
+    pushed to the load its balance loss aims for (`route_at_target`)."""
+    et = cfg["expert_throughput"]
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    layers, rows = {}, []
+    for spec in et["layers"]:
+        label, arch = expert_layer_label(spec), spec["arch"]
+        entry = models.get(arch)
+        config = model_config(cfg, arch, {}, **(spec.get("overrides") or {}))
+        with torch.device("meta"):
+            model = entry.model_class(config)  # on meta: only the layer timed is materialised
+        layer = first_moe_layer(model)
+        layer.to(dtype)
+        layer.to_empty(device=device)
+        torch.manual_seed(cfg["seed"])
+        with torch.no_grad():
+            layer.apply(model._init_weights)
+        layer.eval()
+        declared = entry.collectives_per_forward(config, {"ep": 2})["all_to_all"]
+        target = declared.values_per_token / declared.calls / config.hidden_size
+        x = torch.randn(et["tokens"], config.hidden_size, generator=gen).to(device, dtype)
+        with torch.no_grad():
+            offset = route_at_target(layer, x, target)
+            realised = _ffn_rows_per_token(layer, x, 0.0)  # the hook adds the offset now
+        # MoE layers take the tokens first; anything else they take (MoE++: the previous layer's router
+        # logits, for its gating residual) is None, as for a first layer.
+        extra = [None] * (sum(1 for q in inspect.signature(layer.forward).parameters.values() if q.default is q.empty) - 1)
+        layers[label] = (layer, x, extra)
+        rows.append({"label": label, "arch": arch, "overrides": dict(spec.get("overrides") or {}),
+                     "anchor": spec.get("anchor"), "tokens": et["tokens"], "target_rows_per_token": target,
+                     "ffn_rows_per_token": realised, "router_offset": offset})  # fmt: skip
+        del model
+
+    def run_once(label):
+        layer, x, extra = layers[label]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        layer(x, *extra)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    times = {label: [] for label in layers}
+    with torch.no_grad(), comm.use_mode("none"):
+        for label in layers:
+            for _ in range(et["warmup"]):
+                run_once(label)
+        for _ in range(et["repeats"]):
+            for label in layers:
+                times[label].append(run_once(label))
+    for row in rows:
+        t = times[row["label"]]
+        row.update(ms=1e3 * statistics.median(t), ms_min=1e3 * min(t), ms_max=1e3 * max(t))
+        row["tokens_per_s"] = row["tokens"] / statistics.median(t)
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+        # What the speed-up would be if the grouped experts were all the time: the ratio of their rows.
+        row["expert_rows_ratio"] = base["ffn_rows_per_token"] / row["ffn_rows_per_token"] if row["ffn_rows_per_token"] else None
+    return rows
+
+
+# --- real processes ----------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -326,7 +654,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _real_rank(rank: int, degrees: dict[str, int], port: int, cfg: dict, out_path: str) -> None:
+def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, cfg: dict, out_path: str) -> None:
     """One rank of the real launch: real collectives, then no collectives, in the same processes."""
     world_size = bench_report.ranks(degrees)
     os.environ.update(
@@ -341,15 +669,15 @@ def _real_rank(rank: int, degrees: dict[str, int], port: int, cfg: dict, out_pat
     backend = cfg["real"]["backend"]
     try:
         mesh = parallel.init_mesh(**degrees, backend=None if backend == "auto" else backend)
-        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in cfg["archs"]}
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
         rows = []
         for batch in cfg["batch_sizes"]:
             with comm.use_mode("real"):
                 runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, degrees, batch, "real", None)
+            rows += _rows(runs, cfg, degrees, batch, "real", None, dtype)
             with comm.use_mode("none"):
                 runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None)
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None, dtype)
         for row in rows:
             row["threads_per_rank"] = torch.get_num_threads()
             row["backend"] = dist.get_backend()
@@ -360,7 +688,7 @@ def _real_rank(rank: int, degrees: dict[str, int], port: int, cfg: dict, out_pat
             dist.destroy_process_group()
 
 
-def run_real(cfg: dict, degrees: dict[str, int]) -> list[dict]:
+def run_real(cfg: dict, degrees: dict[str, int], archs: list[str]) -> list[dict]:
     """Spawn one process per rank on 127.0.0.1; rank 0's rows come back through a file. A rank's error is
     raised here; ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that
     is an error."""
@@ -368,7 +696,7 @@ def run_real(cfg: dict, degrees: dict[str, int]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
         ctx = mp.start_processes(
-            _real_rank, args=(degrees, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
+            _real_rank, args=(degrees, archs, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + cfg["real"]["timeout_s"]
         while not ctx.join(timeout=1.0):
@@ -389,49 +717,55 @@ def run_real(cfg: dict, degrees: dict[str, int]) -> list[dict]:
 def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:
     """Run every variant, write results.json, README.md and PNGs to `out_dir`, log to W&B if asked."""
     device, dtype = resolve_device(cfg)
-    # real.tp auto: TP 2 only on CPU (every rank needs cores of its own), every TP degree on GPUs.
-    if cfg["real"]["tp"] == "auto":
-        cfg = {**cfg, "real": {**cfg["real"], "tp": [2] if device.type == "cpu" else list(cfg["tp"])}}
-    check_settings(cfg)
+    cfg = resolve_real(cfg, device.type)
+    archs_at, skipped = check_settings(cfg)
+    for note in skipped:
+        print(f"[bench] skipped {note}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = cpu_threads(cfg)
     if threads:
         torch.set_num_threads(threads)
     hw = hardware_info(device)
-    rows, skipped = [], []
+    rows = []
     started = time.perf_counter()
-    for degrees in degree_points(cfg["tp"]):
+    for degrees in bench_points(cfg):
         if cfg["simulated"]["enabled"] or cfg["upper_bound"]["enabled"]:
-            rows += run_single_process(cfg, degrees, device, dtype)
+            archs = archs_at[bench_report.degrees_key(degrees)]
+            rows += run_single_process(cfg, degrees, archs, device, dtype)
             print(
                 f"[bench] {bench_report.degrees_label(degrees)}: simulated / upper bound done "
                 f"({time.perf_counter() - started:.0f} s)",
                 flush=True,
             )
-    if cfg["real"]["enabled"]:
-        for degrees in degree_points(cfg["real"]["tp"]):
-            p, label = bench_report.ranks(degrees), bench_report.degrees_label(degrees)
-            if device.type == "cuda" and torch.cuda.device_count() < p:
-                skipped.append(f"real {label}: needs {p} GPUs, this machine has {torch.cuda.device_count()}.")
-                continue
-            rows += run_real(cfg, degrees)
-            print(f"[bench] {label}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
+    for degrees in real_points(cfg):
+        p, label = bench_report.ranks(degrees), bench_report.degrees_label(degrees)
+        if device.type == "cuda" and torch.cuda.device_count() < p:
+            skipped.append(f"real {label}: needs {p} GPUs, this machine has {torch.cuda.device_count()}.")
+            continue
+        rows += run_real(cfg, degrees, archs_at[bench_report.degrees_key(degrees)])
+        print(f"[bench] {label}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
+    experts = []
+    if (cfg.get("expert_throughput") or {}).get("enabled"):
+        experts = expert_throughput(cfg, device, dtype)
+        print(f"[bench] expert throughput done ({time.perf_counter() - started:.0f} s)", flush=True)
     bench_report.add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
     clock_note = bench_report.clock_note(rows, cfg["baseline"])
     results = {
         "command": command,
         "settings": cfg,
-        "degrees": degree_points(cfg["tp"]),
+        "degrees": bench_points(cfg),
+        "real_degrees": real_points(cfg),
         "hardware": hw,
         "dtype": str(dtype).removeprefix("torch."),
         "links": [
             {"name": k, "alpha_us": v.alpha_s * 1e6, "beta_GBps": v.beta_Bps / 1e9, "note": v.note}
             for k, v in LINK_PRESETS.items()
         ],
-        "notes": bench_report.notes_for(cfg, device.type, hw) + ([clock_note] if clock_note else []),
+        "notes": bench_report.notes_for(cfg, device.type, hw, rows) + ([clock_note] if clock_note else []),
         "skipped": skipped,
         "elapsed_s": time.perf_counter() - started,
         "rows": rows,
+        "expert_throughput": experts,
     }
     images = bench_report.write_files(results, out_dir)
     if wandb_cfg:

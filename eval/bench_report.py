@@ -1,10 +1,12 @@
 """What the speed benchmark's rows mean and how they are shown: comparisons, tables, plots, notes, W&B.
 
 `eval.bench` measures and hands its rows here. A row is one architecture at one set of mesh degrees
-(`{"tp": 2}`), one variant (simulated link, upper bound, real, real upper bound) and one batch size.
-This module adds the speed-up over the baseline architecture and the hidden fraction
-(T_base - T_arch) / (T_base - T_upper_bound) to each row, and writes README.md (tables), PNG plots and,
-if asked, a W&B run. It knows nothing about any architecture: archs are names in the rows.
+(`{"tp": 2}`, `{"ep": 2}`), one variant (simulated link, upper bound, real, real upper bound) and one
+batch size. This module adds the speed-up over the baseline architecture and the hidden fraction
+(T_base - T_arch) / (T_base - T_upper_bound) to each row (and, for rows with expert-parallel
+all-to-alls, the all-to-all exposure against the baseline's), and writes README.md (tables, the MoE
+all-to-all and expert-throughput sections when measured), PNG plots and, if asked, a W&B run. It
+knows nothing about any architecture: archs are names in the rows, anchors come from the settings.
 """
 
 import math
@@ -28,6 +30,17 @@ def degrees_label(degrees: dict[str, int], sep: str = "=") -> str:
 def ranks(degrees: dict[str, int]) -> int:
     """Processes a run at these degrees takes (the product of the degrees)."""
     return math.prod(degrees.values())
+
+
+def degree_points(tp=(), ep=(), degrees=()) -> list[dict[str, int]]:
+    """The mesh degree points of the settings: {"tp": P} per TP degree and {"ep": P} per EP degree (one
+    dimension at a time, so each is compared on its own), then each point of `degrees` as given
+    ({"ep": 2, "tp": 2}); a point listed twice is measured once."""
+    points = [{"tp": p} for p in tp or ()] + [{"ep": p} for p in ep or ()] + [dict(d) for d in degrees or ()]
+    first = {}
+    for d in points:
+        first.setdefault(degrees_key(d), d)
+    return list(first.values())
 
 
 # --- derived numbers --------------------------------------------------------------------------
@@ -72,6 +85,14 @@ def add_comparisons(rows: list[dict], baseline: str, min_comm_fraction: float) -
         # does not depend on compute-time noise between architectures.
         if r.get("decode_exposed_ms") is not None and base.get("decode_exposed_ms"):
             r["exposed_hidden_fraction_decode"] = 1 - r["decode_exposed_ms"] / base["decode_exposed_ms"]
+    # MoE: the token all-to-all time exposed per layer against the baseline's (both from the virtual clock).
+    # Against `moe` this mixes the schedule with the bytes sent (ScMoE routes top-1, moe top-2).
+    for r in rows:
+        base = index.get(key(baseline, r, r["variant"], r["link"]))
+        for phase in ("prefill", "decode"):
+            mine, theirs = r.get(f"{phase}_a2a_exposed_ms_per_layer"), (base or {}).get(f"{phase}_a2a_exposed_ms_per_layer")
+            if mine is not None and theirs:
+                r[f"{phase}_a2a_exposed_vs_baseline"] = mine / theirs
 
 
 # --- tables and plots -------------------------------------------------------------------------
@@ -97,6 +118,47 @@ SIMULATED_COLUMNS = [
     ("decode_comm_busy_ms", "link busy ms/step"),
     ("decode_exposed_share", "exposed / link busy"),
     ("exposed_hidden_fraction_decode", "hidden (exposed, decode)"),
+]
+# MoE: all-to-all bytes per call (counted, beside the declared dropless formula) and exposure per layer.
+MOE_BYTES_COLUMNS = [
+    ("arch", "arch"),
+    ("degrees", "degrees"),
+    ("batch", "batch"),
+    ("prefill_moe_layers", "MoE layers"),
+    ("prefill_a2a_bytes", "bytes/a2a (prefill, counted)"),
+    ("prefill_a2a_formula_bytes", "T k h bytes (formula)"),
+    ("prefill_a2a_link_bytes_formula", "x (P-1)/P: off-rank (spec)"),
+    ("prefill_a2a_rows_per_token", "k counted"),
+    ("prefill_a2a_rows_per_token_formula", "k formula"),
+    ("decode_a2a_bytes", "bytes/a2a (decode step, counted)"),
+    ("decode_a2a_formula_bytes", "decode formula"),
+]
+MOE_EXPOSED_COLUMNS = [
+    ("arch", "arch"),
+    ("degrees", "degrees"),
+    ("batch", "batch"),
+    ("prefill_a2a_link_ms_per_layer", "a2a link ms/layer (prefill)"),
+    ("prefill_a2a_exposed_ms_per_layer", "a2a exposed ms/layer (prefill)"),
+    ("prefill_a2a_hidden_share", "hidden share (prefill)"),
+    ("decode_a2a_link_ms_per_layer", "a2a link ms/layer (decode)"),
+    ("decode_a2a_exposed_ms_per_layer", "a2a exposed ms/layer (decode)"),
+    ("decode_a2a_hidden_share", "hidden share (decode)"),
+    ("a2a_hidden_anchor", "hidden share, published"),
+    ("prefill_a2a_exposed_vs_baseline", "exposed / baseline's (prefill)"),
+    ("decode_a2a_exposed_vs_baseline", "exposed / baseline's (decode)"),
+    ("prefill_count_exchange_exposed_ms_per_layer", "count exchange ms/layer (prefill)"),
+]
+EXPERT_COLUMNS = [
+    ("label", "layer"),
+    ("tokens", "tokens"),
+    ("target_rows_per_token", "expert rows/token (target)"),
+    ("ffn_rows_per_token", "expert rows/token (routed)"),
+    ("ms", "ms/forward"),
+    ("ms_spread", "ms min-max"),
+    ("tokens_per_s", "tokens/s"),
+    ("speedup", "speed-up"),
+    ("expert_rows_ratio", "rows ratio (compute-bound speed-up)"),
+    ("anchor", "published"),
 ]
 # Plots: the files `make_plots` writes (eval.tour copies some of them into its report).
 PLOTS = ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction", "hidden_fraction_exposed")
@@ -174,23 +236,66 @@ def make_plots(rows: list[dict], archs: list[str], baseline: str, out_dir: Path)
             images[name] = report.plot_lines(
                 out_dir / f"{name}.png", data, xlabel=xlabel, ylabel=ylabel, hline=1.0, logx=True
             )
+    # MoE: the token all-to-all time left exposed per layer, per link and phase, each arch at each point.
+    moe = [r for r in rows if r["variant"] == "simulated" and r.get("prefill_a2a_exposed_ms_per_layer") is not None]
+    if moe:
+        data = {}
+        for link in dict.fromkeys(r["link"] for r in moe):
+            for phase in ("prefill", "decode"):
+                sel = [r for r in moe if r["link"] == link]
+                series = {}
+                for a in dict.fromkeys(r["arch"] for r in sel):
+                    for d in sorted({degrees_key(r["degrees"]) for r in sel}, key=lambda k: ranks(dict(k))):
+                        pts = sorted((r["batch"], r.get(f"{phase}_a2a_exposed_ms_per_layer")) for r in sel
+                                     if r["arch"] == a and degrees_key(r["degrees"]) == d)  # fmt: skip
+                        if pts:
+                            series[f"{a} {degrees_label(dict(d))}"] = ([b for b, _ in pts], [y for _, y in pts])
+                data[f"{phase}, {link}"] = series
+        images["a2a_exposed"] = report.plot_lines(
+            out_dir / "a2a_exposed.png", data, xlabel="batch size", ylabel="all-to-all exposed ms per MoE layer",
+            logx=True,
+        )  # fmt: skip
     return images
+
+
+def plot_expert_throughput(experts: list[dict], out_dir: Path) -> Path:
+    """Measured speed-up of each expert layer over the first, beside the ratio of expert rows per token."""
+    labels = [e["label"] for e in experts]
+    bars = {
+        "measured tokens/s speed-up": [e["speedup"] for e in experts],
+        "expert rows ratio (compute-bound)": [e["expert_rows_ratio"] for e in experts],
+    }
+    return report.plot_bars(
+        out_dir / "expert_throughput.png", labels, bars, ylabel=f"over {labels[0]}", hline=1.0,
+        title="one MoE layer's forward, real, one device",
+    )  # fmt: skip
 
 
 # --- notes ------------------------------------------------------------------------------------
 
 
-def notes_for(cfg: dict, device_type: str, hw: dict) -> list[str]:
+def notes_for(cfg: dict, device_type: str, hw: dict, rows: list[dict] = ()) -> list[str]:
     notes = [
         "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
         "they show what each schedule hides on that link, not what this machine would do with P devices."
     ]
-    if cfg["real"]["enabled"] and device_type == "cpu" and cfg["real"]["tp"]:
-        p, cores, threads = max(cfg["real"]["tp"]), hw["cpu_cores"], hw["torch_threads"]
+    if any(r.get("prefill_a2a_link_ms_per_layer") is not None for r in rows):
+        notes.append(
+            "What an MoE schedule hides depends on how long the compute issued before each wait takes: here it "
+            "is this machine's compute, beside a link model of GPU interconnects. The published shares (ScMoE: "
+            "70% on PCIe, 100% on NVLink) come from GPUs whose compute is orders of magnitude faster, so the "
+            "comparable link time per layer is a larger share of the layer there; read the hidden shares as what "
+            "the schedule can cover, and compare 'a2a link ms/layer' with the time per layer before reading more."
+        )
+    real = cfg["real"]
+    points = degree_points(real.get("tp"), real.get("ep"), real.get("degrees")) if real["enabled"] else []
+    real_ranks = [ranks(d) for d in points]
+    if real_ranks and device_type == "cpu":
+        p, cores, threads = max(real_ranks), hw["cpu_cores"], hw["torch_threads"]
         if cores < p * (threads + 1):
             notes.append(
                 f"Real rows ran up to {p} gloo processes of {threads} compute thread(s) each on {cores} CPU cores. "
-                "gloo's communication thread has no free core here, so an asynchronous all-reduce cannot run "
+                "gloo's communication thread has no free core here, so an asynchronous collective cannot run "
                 "while the next sub-block computes: these rows measure gloo's cost on this box, not what an "
                 "architecture can hide, and claim nothing about overlap."
             )
@@ -231,6 +336,8 @@ def clock_note(rows: list[dict], baseline: str) -> str | None:
 def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     cfg, hw, rows = results["settings"], results["hardware"], results["rows"]
     points = ", ".join(degrees_label(d) for d in results["degrees"])
+    if results.get("real_degrees"):
+        points += f" (real: {', '.join(degrees_label(d) for d in results['real_degrees'])})"
     lines = [
         f"# Speed benchmark: {cfg['bench_shape']['name']} shape",
         "",
@@ -265,6 +372,7 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         sel = [r for r in rows if variant_key(r) == v]
         cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
         lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
+    lines += moe_sections(results, images)
     lines += ["## Link presets", ""]
     lines.append(
         report.write_markdown_table(
@@ -272,12 +380,72 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         )
     )
     for name, path in images.items():
-        lines += [f"![{name}]({path.name})", ""]
+        if name not in MOE_PLOTS:  # shown in their own sections
+            lines += [f"![{name}]({path.name})", ""]
     if results["skipped"]:
-        lines += ["## Skipped", ""] + [f"- {s}" for s in results["skipped"]] + [""]
+        lines += ["## Skipped", "", "Architectures whose layout refuses a degree point are not measured there:", ""]
+        lines += [f"- {s}" for s in results["skipped"]] + [""]
     path = out_dir / "README.md"
     path.write_text("\n".join(lines))
     return path
+
+
+MOE_PLOTS = ("a2a_exposed", "expert_throughput")
+
+
+def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
+    """The MoE all-to-all tables (when rows carry them) and the expert-layer throughput table."""
+    cfg, lines = results["settings"], []
+    moe = [r for r in results["rows"] if r.get("prefill_a2a_bytes") is not None]
+    if moe:
+        first_link = next((r["link"] for r in moe if r["variant"] == "simulated"), None)
+        counted = [r for r in moe if r["variant"] == "simulated" and r["link"] == first_link]
+        anchors = (cfg.get("anchors") or {}).get("a2a_hidden_share") or {}
+        lines += [
+            "## MoE all-to-all per layer",
+            "",
+            "Token all-to-alls of expert parallelism (dispatch + combine per MoE layer; the blocking exchange of "
+            "per-expert counts apart). **bytes/a2a** = bytes this rank hands to one all-to-all, counted by "
+            "`comm.counters` (its own chunk included); **T k h bytes** = the same from the architecture's declared "
+            "dropless formula (T = tokens of the rank, k = experts per token, h = hidden size; MoE++: k_eff = "
+            "k tau N_FFN / (tau N_FFN + N_ZC) at the load its balance loss aims for, while random weights route "
+            "about uniformly); **off-rank** = x (P-1)/P, the spec's bytes per all-to-all that leave the rank at "
+            "balanced routing. Simulated rows (the link of the first preset for bytes, which do not depend on it):",
+            "",
+            report.write_markdown_table(display_rows(counted), MOE_BYTES_COLUMNS),
+            "**a2a link ms/layer** = the link model's time of a layer's two token all-to-alls; **exposed** = the part "
+            "the rank waited for on the virtual clock; **hidden share** = 1 - exposed / link time (a schedule that "
+            "waits at once hides ~0). **published**: "
+            + ("; ".join(f"{a}: " + ", ".join(f"{k} {v:.0%}" for k, v in m.items()) for a, m in anchors.items()) or "none")
+            + f". **exposed / baseline's**: against `{cfg['baseline']}` at the same point, link and batch (this mixes "
+            "the schedule with the bytes: ScMoE routes top-1, `moe` top-2).",
+            "",
+        ]
+        for link in dict.fromkeys(r["link"] for r in moe if r["variant"] == "simulated"):
+            sel = [r for r in moe if r["variant"] == "simulated" and r["link"] == link]
+            lines += [f"### simulated:{link}", "", report.write_markdown_table(display_rows(sel), MOE_EXPOSED_COLUMNS)]
+        if "a2a_exposed" in images:
+            lines += ["![a2a_exposed](a2a_exposed.png)", ""]
+    experts = results.get("expert_throughput") or []
+    if experts:
+        et = cfg["expert_throughput"]
+        shown = [{**e, "ms_spread": f"{e['ms_min']:.4g}-{e['ms_max']:.4g}"} for e in experts]
+        lines += [
+            "## Expert-layer throughput (real, one device)",
+            "",
+            f"One MoE layer's forward (router, experts, combine; every expert on this device, no communication) "
+            f"on {et['tokens']} random tokens at the bench shape, timed for real: {et['warmup']} warm-up + "
+            f"{et['repeats']} repeats interleaved across layers (median, min-max). Each router is pushed to the load "
+            "its balance loss aims for (a logit offset on the zero-computation experts, found by bisection, so that "
+            "the grouped experts get the declared k_eff rows per token): with random weights MoE++ would route "
+            "about uniformly over all its experts whatever tau is. **speed-up** = tokens/s over "
+            f"`{experts[0]['label']}`; **rows ratio** = the speed-up if the grouped experts were all the time.",
+            "",
+            report.write_markdown_table(shown, EXPERT_COLUMNS),
+        ]
+        if "expert_throughput" in images:
+            lines += ["![expert_throughput](expert_throughput.png)", ""]
+    return lines
 
 
 def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
@@ -285,6 +453,8 @@ def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
     report.write_json(out_dir / "results.json", results)
     cfg = results["settings"]
     images = make_plots(results["rows"], list(cfg["archs"]), cfg["baseline"], out_dir)
+    if results.get("expert_throughput"):
+        images["expert_throughput"] = plot_expert_throughput(results["expert_throughput"], out_dir)
     write_readme(results, images, out_dir)
     return images
 
@@ -297,12 +467,18 @@ def log_to_wandb(results: dict, images: dict[str, Path], out_dir: Path, wandb_cf
         key = f"{r['arch']}/{degrees_label(r['degrees'], sep='')}/{variant_key(r)}/b{r['batch']}"
         for m in ("decode_tok_s", "prefill_ms", "speedup_decode", "hidden_fraction_decode"):
             summary[f"{key}/{m}"] = r[m]
+        for m in ("prefill_a2a_exposed_ms_per_layer", "prefill_a2a_hidden_share", "prefill_a2a_bytes"):
+            if r.get(m) is not None:
+                summary[f"{key}/{m}"] = r[m]
+    for e in results.get("expert_throughput") or []:
+        summary[f"expert_throughput/{e['label']}/tokens_per_s"] = e["tokens_per_s"]
+        summary[f"expert_throughput/{e['label']}/speedup"] = e["speedup"]
     report.log_to_wandb(
         out_dir,
         project=wandb_cfg.get("project", "overlap-zoo"),
         name=wandb_cfg.get("name", "bench"),
         tags=wandb_cfg.get("tags") or [],
-        config={k: v for k, v in results.items() if k in ("settings", "hardware", "dtype", "links", "degrees")},
+        config={k: v for k, v in results.items() if k in ("settings", "hardware", "dtype", "links", "degrees", "real_degrees")},
         summary=summary,
         tables={"bench/results": (columns, rows)},
         images={f"bench/{k}": v for k, v in images.items()},

@@ -34,7 +34,8 @@ All functions are autograd-correct (the backward of each collective is its adjoi
 all-to-all, the all-to-all with send and receive splits swapped), so the same calls serve training.
 Backward collectives are issued and waited at once. Calls and bytes are counted per kind in
 `counters` (bytes = the input tensor's size; for all-to-all, the rows this rank sends including its
-own chunk); the count exchange of `exchange_splits` is counted as its own kind, `exchange_splits`.
+own chunk); the count exchange of `exchange_splits` is counted as its own kind, `exchange_splits`, and
+the simulated clock keeps its link and exposed time apart under that label too (`busy_by`, `exposed_by`).
 """
 
 import math
@@ -138,7 +139,7 @@ def _record(kind: str, nbytes: int, group, peer_bytes=None, counter: str | None 
     if _state.mode != "simulated":
         return None
     p = dist.get_world_size(group)
-    return _state.clock.issue(kind, nbytes, p, group_dim(group), peer_bytes=peer_bytes)
+    return _state.clock.issue(kind, nbytes, p, group_dim(group), peer_bytes=peer_bytes, label=counter or kind)
 
 
 def _nbytes(t: torch.Tensor) -> int:

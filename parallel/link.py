@@ -21,7 +21,9 @@ all-reduce over tp are timed with their own P (`VirtualClock.issue(..., world_si
 `VirtualClock` plays one rank in one process: compute is measured for real between communication
 events; each collective goes on a FIFO link starting when both it is issued and that link is free;
 waiting on a result that is not ready yet advances the clock to its finish time and that gap is the
-exposed communication. The clock holds either one link for every group, or one link per mesh
+exposed communication (also kept per label in `exposed_by`, each label's link time in `busy_by`; the
+label is the collective's kind unless the caller names one: `parallel.comm` keeps expert parallelism's
+count exchange apart from its token all-to-alls). The clock holds one link for every group, or one per mesh
 dimension (`{"tp": "nvlink-h100", "ep": "ethernet-25g"}`). Dimensions given the same preset share
 one FIFO queue (they are taken to be the same hardware); different presets are independent links
 whose transfers run at the same time.
@@ -108,6 +110,9 @@ class VirtualClock:
     exposed: float = 0.0  # communication time not covered by compute
     comm_busy: float = 0.0  # total link time, summed over links
     free_at: dict = field(default_factory=dict)  # LinkPreset -> virtual time its FIFO queue is free
+    exposed_by: dict = field(default_factory=dict)  # label -> its part of `exposed`
+    busy_by: dict = field(default_factory=dict)  # label -> its part of `comm_busy`
+    _label_of: dict = field(default_factory=dict, repr=False)  # ready time of a collective in flight -> label
     _last: float | None = field(default=None, repr=False)
 
     @property
@@ -136,7 +141,7 @@ class VirtualClock:
         if self.sync:
             self.sync()
         self.clock = self.exposed = self.comm_busy = 0.0
-        self.free_at = {}
+        self.free_at, self.exposed_by, self.busy_by, self._label_of = {}, {}, {}, {}
         self._last = self.now()
 
     def _advance(self) -> None:
@@ -162,13 +167,15 @@ class VirtualClock:
         dim: str | None = None,
         *,
         peer_bytes: "tuple[int, int] | None" = None,
+        label: str | None = None,
     ) -> float:
         """Put a collective on its link; returns the virtual time its result is ready.
 
         `world_size`: the P of the collective's group (default: the clock's `world_size`); `dim`: the mesh
         dimension the group spans, which picks the link when links are given per dimension;
         `peer_bytes`: (sent, received) bytes to/from the other ranks, for an all-to-all with unequal
-        splits (then timed by `all_to_all_time` instead of the ring formula on `nbytes`).
+        splits (then timed by `all_to_all_time` instead of the ring formula on `nbytes`); `label`: what its
+        link time and exposed time are counted under in `busy_by` / `exposed_by` (default: `kind`).
         """
         self._advance()
         p = world_size if world_size is not None else self.world_size
@@ -182,13 +189,18 @@ class VirtualClock:
         start = max(self.clock, self.free_at.get(link, 0.0))
         self.free_at[link] = start + duration
         self.comm_busy += duration
+        label = label or kind
+        self.busy_by[label] = self.busy_by.get(label, 0.0) + duration
+        self._label_of[self.free_at[link]] = label
         self.rebase()
         return self.free_at[link]
 
     def wait(self, ready_at: float) -> None:
         self._advance()
+        label = self._label_of.pop(ready_at, "unlabelled")
         if ready_at > self.clock:
             self.exposed += ready_at - self.clock
+            self.exposed_by[label] = self.exposed_by.get(label, 0.0) + ready_at - self.clock
             self.clock = ready_at
         self.rebase()
 

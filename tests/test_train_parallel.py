@@ -15,6 +15,7 @@
 
 import csv
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,11 +118,16 @@ def test_sync_runs_once_per_optimizer_step_with_gradient_accumulation(tmp_path, 
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[counter],
     )
+    environ = dict(os.environ)
     try:
         trainer.fit(module, datamodule=data)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Lightning exported LOCAL_RANK, MASTER_PORT, ... for its process group: a later subprocess of this
+        # test session would take itself for an already launched rank.
+        os.environ.clear()
+        os.environ.update(environ)
     assert counter.batches == 6 and synced == [0, 1, 2]
 
 

@@ -69,7 +69,10 @@ class ZooParallelStrategy(ModelParallelStrategy):
         # (rank, world size, backend, timeout) as Lightning starts it, then the mesh over it.
         # (init_mesh fails in one sentence if the degrees do not multiply to the world size.)
         self._setup_distributed()
-        self._device_mesh = init_mesh(**self.degrees, device_type=self.root_device.type)
+        # Once per run: Lightning sets up again for every validate / fit, and the model keeps the groups of
+        # the mesh it was sharded over.
+        if self._device_mesh is None:
+            self._device_mesh = init_mesh(**self.degrees, device_type=self.root_device.type)
         # what LightningModule.device_mesh returns, in configure_model and after
         self.lightning_module._device_mesh = self._device_mesh
 
