@@ -102,14 +102,24 @@ def model_config(cfg: dict, arch: str, degrees: dict[str, int], **extra):
 
 def archs_at_points(cfg: dict, points: list[dict[str, int]]) -> tuple[dict[tuple, list[str]], list[str]]:
     """Which of `archs` run at each degree point ({degrees_key: [arch, ...]}) and a note for each one
-    skipped (its config or its `check_layout` refuses the point: llama has no ep layout). A point that
-    no architecture fits is an error naming each one's reason."""
+    skipped: its sharding.py has no layout over a dimension of the point (llama at ep 2: parallelize would
+    replicate it there, so it would communicate nothing over that dimension and there is nothing to
+    compare), or its config or `check_layout` refuses the point. A point that no architecture fits is an
+    error naming each one's reason."""
     archs_at, skipped = {}, []
     for degrees in points:
         label, fit, refused = bench_report.degrees_label(degrees), [], []
         for arch in cfg["archs"]:
+            entry = models.get(arch)
+            missing = [dim for dim, n in degrees.items() if n > 1 and dim not in entry.degrees]
+            if missing:
+                refused.append(
+                    f"{arch}: no {'/'.join(missing)} layout (its sharding.py shards over {list(entry.degrees)}), "
+                    f"so at {label} it would run replicated with nothing to communicate over {'/'.join(missing)}."
+                )
+                continue
             try:
-                models.get(arch).check_layout(model_config(cfg, arch, degrees), degrees)
+                entry.check_layout(model_config(cfg, arch, degrees), degrees)
             except ValueError as err:
                 refused.append(f"{arch}: {err}")
             else:
@@ -213,6 +223,8 @@ def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
         for preset in presets:
             if preset not in LINK_PRESETS:
                 raise ValueError(f"Unknown link preset {preset!r}; choose from {sorted(LINK_PRESETS)}.")
+        if isinstance(link, dict) and [dim for dim in link if dim not in DIM_ORDER]:
+            raise ValueError(f"simulated.links entry {link} names a dimension outside the mesh's {list(DIM_ORDER)}.")
         if isinstance(link, dict) and cfg["simulated"]["enabled"]:
             for d in points:
                 missing = [dim for dim, n in d.items() if n > 1 and dim not in link]
@@ -224,7 +236,9 @@ def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     check_expert_throughput(cfg)
     archs_at, skipped = archs_at_points(cfg, points)
     if reals:
-        archs_at.update(archs_at_points(cfg, reals)[0])
+        real_at, real_skipped = archs_at_points(cfg, reals)
+        archs_at.update(real_at)
+        skipped += [f"real {note}" for note in real_skipped if note not in skipped]
     return archs_at, skipped
 
 

@@ -323,8 +323,9 @@ def clock_note(rows: list[dict], baseline: str) -> str | None:
         return None
     return (
         f"On the virtual clock `{baseline}` left only {min(shares):.0%}-{max(shares):.0%} of its link time exposed "
-        "(decode), though it waits for every all-reduce at once (should be 100%): the clock counted the Python "
-        "time between issuing a collective and waiting for it as compute, which covers short transfers. The "
+        "(decode), though it waits for each collective right after issuing it (should be near 100%): the clock "
+        "counted the Python time between issuing a collective and waiting for it as compute, which covers short "
+        "transfers. The "
         "simulated rows understate the baseline's communication cost, so their speed-ups and hidden fractions "
         "are too small (or n/a)."
     )
@@ -360,8 +361,9 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         "- **hidden (exposed)** (simulated only) = 1 - exposed_arch / exposed_base on the virtual clock: "
         "the same question without compute-time noise between architectures.",
         "- **exposed / link busy** (simulated only): the share of the link's time that was not covered by compute. "
-        f"`{cfg['baseline']}` waits every collective at once, so its share should be 1: a lower value is Python "
-        "time between issuing a collective and waiting for it that the virtual clock counted as compute.",
+        f"`{cfg['baseline']}` waits each collective right after issuing it, so its share should be near 1: a lower "
+        "value is Python time between issuing a collective and waiting for it that the virtual clock counted as "
+        "compute.",
         "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
         "",
     ]
@@ -415,7 +417,8 @@ def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
             report.write_markdown_table(display_rows(counted), MOE_BYTES_COLUMNS),
             "**a2a link ms/layer** = the link model's time of a layer's two token all-to-alls; **exposed** = the part "
             "the rank waited for on the virtual clock; **hidden share** = 1 - exposed / link time (a schedule that "
-            "waits at once hides ~0). **published**: "
+            "waits right after issuing still hides the compute issued in between: the shared dispatch computes the "
+            "received rows' expert-major permutation after issuing its all-to-all). **published**: "
             + ("; ".join(f"{a}: " + ", ".join(f"{k} {v:.0%}" for k, v in m.items()) for a, m in anchors.items()) or "none")
             + f". **exposed / baseline's**: against `{cfg['baseline']}` at the same point, link and batch (this mixes "
             "the schedule with the bytes: ScMoE routes top-1, `moe` top-2).",

@@ -13,6 +13,7 @@ from models.llama import entry as llama_entry
 from models.llama import sharding as llama_sharding
 from models.moe import ZooMoeConfig, ZooMoeForCausalLM, ZooMoeModel
 from models.moe import entry as moe_entry
+from models.moe.convert import LLAMA_TO_MOE
 from models.moe import sharding as moe_sharding
 from models.moepp import ZooMoeppConfig, ZooMoeppForCausalLM, ZooMoeppModel
 from models.moepp import entry as moepp_entry
@@ -35,6 +36,7 @@ from models.registry import (
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
 from models.scmoe import entry as scmoe_entry
+from models.scmoe.convert import LLAMA_TO_SCMOE
 from models.scmoe import sharding as scmoe_sharding
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
@@ -138,6 +140,9 @@ register(
 )
 
 register_converter(LLAMA_TO_LADDER)
+# Sparse upcycling: a dense Llama's MLPs copied into every expert.
+register_converter(LLAMA_TO_MOE)
+register_converter(LLAMA_TO_SCMOE)
 
 __all__ = [
     "CONVERTERS",

@@ -5,7 +5,9 @@ result. The place a model calls `wait()` is the place the communication stops be
 is written in the model's `forward()`. With `group=None` (no parallelism over that dimension) every
 function is the identity and nothing is counted.
 
-Collectives: `all_reduce`, `all_gather`, `reduce_scatter`, and `all_to_all` with equal splits or with
+Collectives: `all_reduce`, `all_gather`, `reduce_scatter`, `send_recv` (point to point: a ring shift,
+every rank sends to the rank `shift` places after it and receives from the one `shift` places before:
+what ring attention and LASP-1's ring of states need), and `all_to_all` with equal splits or with
 unequal per-rank row counts (`send_splits` / `recv_splits`, rows along dim 0; what expert parallelism
 needs to send each expert's tokens to the rank holding it). `exchange_splits` tells every rank how
 many rows it will receive from each peer (a small blocking all-to-all of the counts: one per peer,
@@ -295,6 +297,46 @@ def _stand_in(x: torch.Tensor, send, recv) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+class _SendRecv(torch.autograd.Function):
+    """Ring shift: send `x` to rank (r + shift) % P of the group, receive from rank (r - shift) % P."""
+
+    @staticmethod
+    def forward(ctx, x, group, shift, box):
+        ctx.group, ctx.shift = group, shift
+        x = x.contiguous()
+        box.ready_at = _record("send_recv", _nbytes(x), group)
+        if _state.mode != "real":
+            return x.clone()  # simulated: the peer is taken to send what this rank sends
+        p, me = dist.get_world_size(group), dist.get_rank(group)
+        out = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + shift) % p), group),
+            dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - shift) % p), group),
+        ]
+        box.work = _P2PWork(dist.batch_isend_irecv(ops), x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Rank r's output is rank (r - shift)'s input, unchanged: the adjoint sends each gradient back
+        # where the value came from, the shift the other way.
+        box = _Box()
+        out = _SendRecv.apply(grad.contiguous(), ctx.group, -ctx.shift, box)
+        return _finish(box, out), None, None, None
+
+
+class _P2PWork:
+    """The send and the receive of one shift, waited together; holds the send buffer until then."""
+
+    def __init__(self, works, send_buffer):
+        self.works, self.send_buffer = works, send_buffer
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.send_buffer = None
+
+
 class _CopyToTPRegion(torch.autograd.Function):
     """Megatron's f: identity forward; backward all-reduces the gradient of a replicated input."""
 
@@ -334,6 +376,18 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
     if not _active(group):
         return Handle(x)
     return Handle(_ReduceScatter.apply(x, group, dim))
+
+
+def send_recv(x: torch.Tensor, group, shift: int = 1) -> Handle:
+    """Ring shift over `group`: send `x` to rank (r + shift) % P, receive the same-shaped tensor from rank
+    (r - shift) % P. Every rank of the group takes part (a chain such as LASP-1's is P-1 shifts in which
+    each rank's send carries its latest value). Counted under `send_recv` (bytes = the tensor sent); the
+    simulated link times one hop, alpha + bytes / beta. Its backward is the shift the other way."""
+    if not _active(group):
+        return Handle(x)
+    box = _Box()
+    out = _SendRecv.apply(x, group, shift, box)
+    return Handle(out, box.work, box.ready_at)
 
 
 def all_to_all(x: torch.Tensor, group, send_splits=None, recv_splits=None) -> Handle:

@@ -5,6 +5,7 @@ A collective of n bytes over a P-way ring costs, per NCCL's ring algorithms,
     all-gather:         (P-1) alpha +   (P-1)/P * n / beta     (n = gathered output size)
     reduce-scatter:     (P-1) alpha +   (P-1)/P * n / beta     (n = input size)
     all-to-all:         (P-1) alpha +   (P-1)/P * n / beta     (equal splits, n = input size)
+    send-recv:              alpha +             n / beta     (one hop of a ring shift: n bytes out, n in)
 with alpha the per-hop latency and beta the per-direction bandwidth in bytes/s.
 
 An all-to-all with unequal splits (`all_to_all_time`) is charged by what THIS rank moves:
@@ -56,7 +57,7 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     ),
 }
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 def collective_time(kind: str, nbytes: int, world_size: int, link: LinkPreset) -> float:
@@ -66,6 +67,8 @@ def collective_time(kind: str, nbytes: int, world_size: int, link: LinkPreset) -
     p = world_size
     if p <= 1:
         return 0.0
+    if kind == "send_recv":  # one hop; sending and receiving overlap (full duplex)
+        return link.alpha_s + nbytes / link.beta_Bps
     steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
     return steps * link.alpha_s + steps / p * nbytes / link.beta_Bps
 

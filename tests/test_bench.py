@@ -1,7 +1,10 @@
 """eval.bench: one tiny run measures every variant (simulated link, upper bound, real gloo ranks) and writes
 a well-formed report (results.json, README.md tables, PNGs, an offline W&B run); the hidden-fraction and
 speed-up arithmetic on hand values; each architecture's bench config, layout check and collectives come
-from its registry entry. No test asserts a speed-up: timings on a shared CPU are noise."""
+from its registry entry. The MoE preset: degree points over ep (an architecture without an ep layout
+skipped there and listed), per-dimension links, all-to-all bytes per layer counted == the dropless formula,
+exposure per layer from the virtual clock, the expert-layer throughput rows. No test asserts a speed-up:
+timings on a shared CPU are noise."""
 
 import json
 import os
@@ -15,8 +18,9 @@ from omegaconf import OmegaConf
 
 import models
 from eval.bench import check_settings, model_config
-from eval.bench_report import add_comparisons, hidden_fraction
+from eval.bench_report import add_comparisons, degree_points, hidden_fraction
 from eval.report import format_value, write_markdown_table
+from parallel.link import LINK_PRESETS, VirtualClock
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("llama", "ladder", "parallel", "kraken")  # conf/bench.yaml's default archs
@@ -87,9 +91,14 @@ def test_bench_configs_come_from_each_architectures_entry():
 
 
 def test_bench_refuses_degrees_an_architecture_cannot_take():
-    # The architectures' own check_layout: TP 3 splits none of the tiny shape's head counts.
+    # The architectures' own check_layout: TP 3 splits none of the tiny shape's head counts. An architecture
+    # refused at a point is skipped there (and listed); a point no architecture fits is an error.
     with pytest.raises(ValueError, match=r"TP degree 3 does not divide num_attention_heads=8; TP degrees that fit"):
-        check_settings(bench_settings("tp=[3]"))
+        check_settings(bench_settings("tp=[3]", "archs=[llama,ladder]"))
+    # Kraken runs one stream per rank, so it fits TP 3; the others are skipped there.
+    archs_at, skipped = check_settings(bench_settings("tp=[2,3]"))
+    assert archs_at[(("tp", 3),)] == ["kraken"] and archs_at[(("tp", 2),)] == list(ARCHS)
+    assert skipped[0] == "tp=3: llama: TP degree 3 does not divide num_attention_heads=8; TP degrees that fit this model: [1, 2, 4]."
     with pytest.raises(ValueError, match=r"config_overrides names 'nope', which is not in archs"):
         check_settings(bench_settings("+config_overrides.nope={}"))
 
@@ -174,3 +183,164 @@ def test_bench_logs_an_offline_wandb_run(tiny_run):
     media = runs[0] / "files" / "media"
     assert list((media / "table").glob("bench/results_*.table.json"))
     assert len(list((media / "images").glob("bench/*.png"))) == 4
+
+
+# --- degree points other than tp, and the MoE comparison ------------------------------------------------
+
+
+def test_degree_points_over_any_mesh_dimension():
+    assert degree_points([2, 4]) == [{"tp": 2}, {"tp": 4}]  # `tp: [2, 4]` as before
+    assert degree_points([], [2, 4]) == [{"ep": 2}, {"ep": 4}]
+    # One dimension at a time, then points of several dimensions as given; a repeated point once.
+    assert degree_points([2], [2], [{"ep": 2, "tp": 2}, {"tp": 2}]) == [{"tp": 2}, {"ep": 2}, {"ep": 2, "tp": 2}]
+
+
+def test_architectures_without_a_layout_at_a_point_are_skipped_not_an_error():
+    archs_at, skipped = check_settings(bench_settings("bench_preset=moe", "archs=[llama,moe]", "tp=[2]", "ep=[2]"))
+    assert archs_at[(("ep", 2),)] == ["moe"] and archs_at[(("tp", 2),)] == ["llama", "moe"]
+    assert len(skipped) == 1 and skipped[0].startswith("ep=2: llama: no ep layout")
+    # ... unless nothing can run at a point.
+    with pytest.raises(ValueError, match=r"No architecture of archs=\['llama'\] fits the degrees ep=2\. llama: no ep"):
+        check_settings(bench_settings("archs=[llama]", "tp=[]", "ep=[2]"))
+    with pytest.raises(ValueError, match=r"No degree point to measure"):
+        check_settings(bench_settings("tp=[]"))
+
+
+def test_links_per_mesh_dimension_must_cover_the_points():
+    cfg = bench_settings("bench_preset=moe", "ep=[2]", "simulated.links=[{tp: nvlink-h100}]")
+    with pytest.raises(ValueError, match=r"names no link for \['ep'\], which the point \{'ep': 2\} communicates over"):
+        check_settings(cfg)
+    check_settings(bench_settings("bench_preset=moe", "ep=[2]", "simulated.links=[pcie4,{tp: nvlink-h100, ep: pcie4}]"))
+    with pytest.raises(ValueError, match=r"Unknown link preset 'pcie9'"):
+        check_settings(bench_settings("bench_preset=moe", "simulated.links=[{ep: pcie9}]"))
+
+
+def test_moe_preset_compares_like_with_like():
+    cfg = bench_settings("bench_preset=moe", "bench_shape=moe-small")
+    assert cfg["archs"] == ["moe", "scmoe", "moepp"] and cfg["baseline"] == "moe"
+    assert cfg["tp"] == [] and cfg["ep"] == [2, 4] and cfg["expert_throughput"]["enabled"]
+    shape = cfg["bench_shape"]
+    assert shape["intermediate_size"] % 8 == 0 and shape["hidden_size"] % 8 == 0  # grouped_mm
+    moe, scmoe = (model_config(cfg, a, {"ep": 2}) for a in ("moe", "scmoe"))
+    # moe's MoE layers are scmoe's MoE blocks (moe_layer_freq=2 against Position-2 pairs) ...
+    layers = range(shape["num_hidden_layers"])
+    assert [moe.is_moe_layer(i) for i in layers] == [scmoe.is_moe_layer(i) for i in layers]
+    assert moe.num_moe_layers == scmoe.num_moe_layers == shape["num_hidden_layers"] // 2
+    # ... with the same expert compute per token: top-2 vs top-1 + a shared expert, all as wide.
+    assert moe.num_experts_per_tok * moe.intermediate_size == (
+        scmoe.num_experts_per_tok * scmoe.intermediate_size + scmoe.shared_expert_intermediate_size
+    )
+    assert moe.num_local_experts == scmoe.num_local_experts == model_config(cfg, "moepp", {}).num_local_experts
+    archs_at, skipped = check_settings(cfg)
+    assert archs_at[(("ep", 4),)] == ["moe", "scmoe", "moepp"] and not skipped
+
+
+def test_virtual_clock_keeps_exposure_per_label():
+    # Compute is a hand clock. A (all-to-all, 2 us of link) issued at 0 and waited at 1: 1 exposed;
+    # B (count exchange) issued at 2, waited at once: all of it exposed, under its own label.
+    t = [0.0]
+    clock = VirtualClock(LINK_PRESETS["pcie4"], 2, now=lambda: t[0])
+    clock.start()
+    a = clock.issue("all_to_all", 0, peer_bytes=(int(24e3 * 1e-3 * 1e3), 0))  # 10 us alpha + 1 us
+    t[0] = 5e-6
+    clock.wait(a)
+    b = clock.issue("all_to_all", 0, label="exchange_splits")  # 10 us alpha
+    clock.wait(b)
+    assert clock.busy_by == pytest.approx({"all_to_all": 11e-6, "exchange_splits": 10e-6})
+    assert clock.exposed_by == pytest.approx({"all_to_all": 6e-6, "exchange_splits": 10e-6})
+    assert clock.exposed == pytest.approx(16e-6)
+
+
+MOE_ARCHS = ("moe", "scmoe", "moepp")
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """The MoE preset at the tiny shape with llama added: ep 2 (llama skipped there), a preset link and a
+    per-dimension one, real gloo at ep 2, and the expert-layer throughput on a few tokens."""
+    out = tmp_path_factory.mktemp("bench_moe")
+    cmd = [
+        sys.executable, "-m", "eval.bench", f"out_dir={out}", "logger=none", "bench_preset=moe",
+        "bench_shape=tiny", "archs=[llama,moe,scmoe,moepp]", "ep=[2]", "batch_sizes=[1]", "prompt_len=16",
+        "new_tokens=3", "warmup=1", "repeats=1", "simulated.links=[pcie4,{ep: nvlink-h100}]",
+        "real.enabled=true", "real.ep=[2]", "expert_throughput.tokens=128", "expert_throughput.repeats=1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_moe_run_measures_the_ep_point_and_skips_llama(moe_run):
+    out, results = moe_run
+    rows = results["rows"]
+    assert results["degrees"] == [{"ep": 2}] and results["real_degrees"] == [{"ep": 2}]
+    got = {(r["arch"], r["variant"], r["link"]) for r in rows}
+    for arch in MOE_ARCHS:
+        for variant, link in [("simulated", "pcie4"), ("simulated", "ep=nvlink-h100"), ("upper_bound", None),
+                              ("real", None), ("upper_bound_real", None)]:  # fmt: skip
+            assert (arch, variant, link) in got
+    assert len(rows) == 5 * len(MOE_ARCHS) and all(r["degrees"] == {"ep": 2} for r in rows)
+    assert not any(r["arch"] == "llama" for r in rows)
+    assert len(results["skipped"]) == 1 and "llama: no ep layout" in results["skipped"][0]
+    readme = (out / "README.md").read_text()
+    assert "## Skipped" in readme and "- ep=2: llama: no ep layout" in readme
+
+
+def test_moe_all_to_all_bytes_per_layer_match_the_formula(moe_run):
+    _, results = moe_run
+    shape = results["settings"]["bench_shape"]
+    h, prompt = shape["hidden_size"], 16
+    by = {(r["arch"], r["variant"], r["link"]): r for r in results["rows"]}
+    moe = by[("moe", "simulated", "pcie4")]
+    k = model_config(results["settings"], "moe", {"ep": 2}).num_experts_per_tok
+    # Dropless, fp32: every all-to-all carries T_local * k * h * 4 bytes (own chunk included), exactly;
+    # the spec's (P-1)/P of it leaves the rank at balanced routing.
+    for phase, tokens in (("prefill", prompt), ("decode", 1)):
+        assert moe[f"{phase}_a2a_bytes"] == tokens * k * h * 4 == moe[f"{phase}_a2a_formula_bytes"]
+        assert moe[f"{phase}_a2a_link_bytes_formula"] == tokens * k * h * 4 / 2
+        assert moe[f"{phase}_a2a_rows_per_token"] == k
+        assert moe[f"{phase}_moe_layers"] == model_config(results["settings"], "moe", {"ep": 2}).num_moe_layers
+    assert by[("scmoe", "simulated", "pcie4")]["prefill_a2a_bytes"] == prompt * 1 * h * 4  # top-1
+    # MoE++'s zero-computation experts never enter the all-to-all: fewer bytes than moe's top-2.
+    moepp = by[("moepp", "simulated", "pcie4")]
+    assert 0 < moepp["prefill_a2a_bytes"] < moe["prefill_a2a_bytes"]
+    assert moepp["prefill_a2a_rows_per_token_formula"] == pytest.approx(2 * 0.75 * 8 / (0.75 * 8 + 4))  # k_eff
+    # No collective, nothing counted, without communication.
+    assert by[("moe", "upper_bound", None)].get("prefill_a2a_bytes") is None
+
+
+def test_moe_all_to_all_exposure_from_the_virtual_clock(moe_run):
+    _, results = moe_run
+    by = {(r["arch"], r["variant"], r["link"]): r for r in results["rows"]}
+    for arch in MOE_ARCHS:
+        for link in ("pcie4", "ep=nvlink-h100"):
+            r = by[(arch, "simulated", link)]
+            for phase in ("prefill", "decode"):
+                link_ms, exposed = r[f"{phase}_a2a_link_ms_per_layer"], r[f"{phase}_a2a_exposed_ms_per_layer"]
+                assert link_ms > 0 and 0 <= exposed <= link_ms + 1e-9
+                assert r[f"{phase}_a2a_hidden_share"] == pytest.approx(1 - exposed / link_ms)
+                assert r[f"{phase}_count_exchange_exposed_ms_per_layer"] > 0  # blocking: never hidden
+    # The published share is printed beside ours, by the preset of the ep link.
+    assert by[("scmoe", "simulated", "pcie4")]["a2a_hidden_anchor"] == 0.7
+    assert by[("scmoe", "simulated", "ep=nvlink-h100")]["a2a_hidden_anchor"] == 1.0
+    assert by[("moe", "simulated", "pcie4")]["a2a_hidden_anchor"] is None
+    assert by[("moe", "simulated", "pcie4")]["prefill_a2a_exposed_vs_baseline"] in (1.0, None)
+
+
+def test_expert_throughput_rows_and_moe_report(moe_run):
+    out, results = moe_run
+    rows = results["expert_throughput"]
+    assert [r["label"] for r in rows] == ["moe", "moepp tau=0.75", "moepp tau=0.25"]
+    assert rows[0]["speedup"] == 1 and rows[0]["target_rows_per_token"] == 2
+    for r, tau in zip(rows[1:], (0.75, 0.25), strict=True):
+        assert r["target_rows_per_token"] == pytest.approx(2 * tau * 8 / (tau * 8 + 4))
+        # The router is pushed to that load (bisection over 128 tokens: within a few assignments).
+        assert r["ffn_rows_per_token"] == pytest.approx(r["target_rows_per_token"], abs=0.05)
+    for r in rows:
+        assert r["tokens"] == 128 and r["tokens_per_s"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+    readme = (out / "README.md").read_text()
+    for text in ("## MoE all-to-all per layer", "### simulated:pcie4", "### simulated:ep=nvlink-h100",
+                 "## Expert-layer throughput (real, one device)", "| moepp tau=0.75 | 128 |", "pcie4 70%"):  # fmt: skip
+        assert text in readme, text
+    for name in ("a2a_exposed.png", "expert_throughput.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in readme

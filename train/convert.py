@@ -2,20 +2,29 @@
 
     python -m train.convert source=DIR ladder_layers=N [retrain.enabled=true retrain.overrides=[...]]
     python -m train.convert converter=NAME source=DIR [its options]
+    python -m train.convert converter=llama_to_moe source=DIR num_local_experts=4 moe_layer_freq=2
 
-`converter` names one of `models.CONVERTERS` (default `llama_to_ladder`: an HF `LlamaForCausalLM` or
-zoo `llama` checkpoint with its last N layers laddered, same weights, rewired residual stream). The
-converter states which checkpoints it reads, which options it takes (read from this app's config) and
-what it checks; this app checks that the source is a saved checkpoint of one of those kinds, converts,
-saves the result with the tokenizer, and reports validation loss on the bundled corpus before
-conversion, right after it, and after optional retraining with the pretraining app (the paper's
-recipe: expect a jump, then recovery close to the original).
+`converter` names one of `models.CONVERTERS`:
+- `llama_to_ladder` (default): an HF `LlamaForCausalLM` or zoo `llama` checkpoint with its last N layers
+  laddered, same weights, rewired residual stream (option `ladder_layers`, required);
+- `llama_to_moe`, `llama_to_scmoe`: sparse upcycling, every expert a copy of its layer's dense MLP and a
+  fresh router (options `num_local_experts`, `num_experts_per_tok`, and `moe_layer_freq` / `shortcut_position`,
+  `router_aux_loss_coef`; unset ones take the target config's default). See models/moe/convert.py and
+  models/scmoe/convert.py.
+The converter states which checkpoints it reads, which options it takes (top-level keys of this app's
+config, conf/convert.yaml: an option of another converter is refused) and what it checks; this app checks
+that the source is a saved checkpoint of one of those kinds, converts (seeded by `seed`: fresh weights
+such as a router are the same on every run), saves the result with the tokenizer, and reports validation
+loss on the bundled corpus before conversion, right after it, and after optional retraining with the
+pretraining app (the recipe of the Ladder paper and of sparse upcycling: expect a jump, or none where the
+conversion keeps the function, then recovery).
 """
 
 import json
 from pathlib import Path
 
 import hydra
+import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
@@ -32,10 +41,30 @@ def _has_tokenizer(path: Path) -> bool:
 
 
 def converter_options(cfg: DictConfig, converter: Converter) -> dict:
-    """The converter's options from the app's config, as plain Python values (a list stays a list)."""
+    """The converter's options from the app's config, as plain Python values (a list stays a list); an
+    unset option (null) is left out, so the converter's own default applies.
+
+    Every converter's options are keys of conf/convert.yaml (so that `num_local_experts=4` needs no `+`);
+    one set for a converter that does not take it is refused rather than silently ignored."""
+    takes = ", ".join(converter.options) or "none"
+    others = {name for c in models.CONVERTERS.values() for name in c.options} - set(converter.options)
+    stray = sorted(n for n in others if n in cfg and not OmegaConf.is_missing(cfg, n) and cfg[n] is not None)
+    if stray:
+        given = ", ".join(f"{n}={cfg[n]}" for n in stray)
+        owners = sorted(c.name for c in models.CONVERTERS.values() if set(stray) & set(c.options))
+        raise ValueError(
+            f"{given}: not an option of converter={converter.name}, which takes: {takes}; drop it, or choose a "
+            f"converter that takes it ({', '.join(owners)})."
+        )
     options = {}
     for name in converter.options:
+        if name not in cfg:
+            raise ValueError(f"conf/convert.yaml has no key {name!r}, an option of converter={converter.name}; add it there.")
+        if OmegaConf.is_missing(cfg, name):
+            raise ValueError(f"converter={converter.name} needs {name}=...; its options: {takes}.")
         value = cfg[name]
+        if value is None:
+            continue
         options[name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
     return options
 
@@ -80,6 +109,8 @@ def convert(cfg: DictConfig) -> dict:
     tokenizer_source = str(source) if _has_tokenizer(source) else cfg.data.tokenizer
     tokenizer = load_tokenizer(tokenizer_source)
 
+    # Fresh weights (an upcycled model's routers) depend on the seed only.
+    torch.manual_seed(cfg.seed)
     converted = converter.convert(source, **options)
     save_checkpoint(converted, tokenizer, out)
     details = converter.summary(converted)

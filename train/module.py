@@ -3,9 +3,16 @@
 `CausalLMModule` owns the Hugging Face model (built by name from `models.ZOO`), the optimizer and the
 learning-rate schedule, and the metrics every pretraining run reports:
 
-- per training step: `train/loss`, `train/lr`, `train/grad_norm` (before clipping), `train/tokens_per_s`
+- per training step: `train/loss`, `train/lr`, `train/grad_norm` (before clipping), `train/tokens_per_s`,
+  and the parts of the loss, each on its own: `train/lm_loss` (the language-model loss, comparable across
+  architectures) and `train/aux/<name>` for each auxiliary loss the model returns (MoE:
+  `train/aux/load_balance`, already weighted), so that `train/loss` = `train/lm_loss` + sum of the aux ones
 - per validation: `val/loss` (token-weighted mean over the whole validation set, all ranks) and
   `val/ppl` = exp(`val/loss`).
+
+After each optimizer step, a model with auxiliary-loss-free balancing routers (DeepSeek-V3's balance bias,
+`router_balance_bias=true`) moves their biases by the step's expert loads, summed over the ranks that route
+different tokens (`models.common.moe.update_balance_biases`); for any other model that is a no-op.
 
 It also guards training: a non-finite loss or gradient stops the run (`nonfinite_loss=stop`, before the
 update, so the last checkpoint holds good weights) or skips that update (`skip`); and on resume the
@@ -24,7 +31,8 @@ from torch import nn
 
 import models
 import parallel
-from parallel.grad_sync import mesh_degrees
+from models.common.moe import TopKRouter, update_balance_biases
+from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
@@ -151,6 +159,7 @@ class CausalLMModule(L.LightningModule):
         self._resumed_optimizer_settings: dict | None = None
         self._skip_update = False  # set by a skipped training_step for on_before_optimizer_step
         self._layout_applied = False
+        self._balance_bias: bool | None = None  # whether any router has a balance bias (_has_balance_bias)
 
     def configure_model(self) -> None:
         # Lightning calls this on every rank once the process group and the device mesh exist, before
@@ -182,12 +191,15 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
-        loss = self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-        mean_loss, nonfinite = self._across_ranks(loss)
+        output = self.model(input_ids=input_ids, labels=labels, use_cache=False)
+        loss = output.loss
+        mean_loss, nonfinite, mean_parts = self._across_ranks(loss, self._loss_parts(output))
         # The loss of the global batch: the mean over ranks of their batches' (every rank's batch has the
         # same number of tokens). Logged even when skipped (nan): a metric not logged at a step repeats
         # its previous value.
         self.log("train/loss", mean_loss, on_step=True, on_epoch=False, prog_bar=True)
+        for name, value in mean_parts.items():
+            self.log(name, value, on_step=True, on_epoch=False)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         if nonfinite:
             self._nonfinite(f"train/loss is {loss.item()}")
@@ -220,24 +232,62 @@ class CausalLMModule(L.LightningModule):
             self._nonfinite(f"the gradient norm is {norm.item()}")
             self._drop_gradients()
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        # Lightning calls this once per optimizer step (after the last micro-batch under gradient
+        # accumulation); the routers counted their tokens in every micro-batch of the step.
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._has_balance_bias:
+            update_balance_biases(self.model, groups=self._token_groups())
+
+    @property
+    def _has_balance_bias(self) -> bool:
+        if self._balance_bias is None:  # once: the model's routers do not change
+            self._balance_bias = any(isinstance(m, TopKRouter) and m.balance_bias for m in self.model.modules())
+        return self._balance_bias
+
+    def _token_groups(self) -> tuple:
+        """The process groups whose ranks route different tokens through replicas of the same router
+        (dp, ep, sp above 1): their expert loads are summed before the biases move, so every replica moves
+        alike and as one process would. Not tp: tp ranks route the same tokens."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return ()
+        return tuple(mesh.get_group(d) for d in TOKEN_DIMS if self.degrees[d] > 1)
+
     def _drop_gradients(self) -> None:
         # AdamW leaves a parameter without a gradient as it is (no moment update, no weight decay);
         # the step still counts (global_step and the lr schedule move on).
         for p in self.parameters():
             p.grad = None
 
-    def _across_ranks(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(the mean of every rank's loss, whether any rank's is NaN or infinite): one all-reduce of two
-        numbers. Ranks that share a batch (tp, sp) count alike, so the mean over all ranks is the mean
-        over the distinct batches."""
+    @staticmethod
+    def _loss_parts(output) -> dict[str, torch.Tensor]:
+        """The parts of the training loss, by metric name: `train/lm_loss` and `train/aux/<name>` (zoo
+        outputs carry `lm_loss` and `aux_losses`; another model's output has neither)."""
+        parts = {}
+        if getattr(output, "lm_loss", None) is not None:
+            parts["train/lm_loss"] = output.lm_loss
+        for name, value in sorted((getattr(output, "aux_losses", None) or {}).items()):
+            parts[f"train/aux/{name}"] = value
+        return parts
+
+    def _across_ranks(
+        self, loss: torch.Tensor, parts: dict[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
+        """(the mean of every rank's loss, whether any rank's is NaN or infinite, the mean of each of
+        `parts`): one all-reduce of a few numbers. Ranks that share a batch (tp, sp) count alike, so the
+        mean over all ranks is the mean over the distinct batches. Every rank runs the same model, so
+        every rank has the same parts."""
         loss = loss.detach()
+        parts = {name: value.detach().float() for name, value in (parts or {}).items()}
         if self.trainer.world_size == 1:
-            return loss, not bool(torch.isfinite(loss))
+            return loss, not bool(torch.isfinite(loss)), parts
         # Data-parallel ranks see other batches: all must skip or stop together, or the others would
         # wait for this rank's gradients in the gradient all-reduce.
-        totals = torch.stack([loss.float(), (~torch.isfinite(loss)).float()])
+        totals = torch.stack([loss.float(), (~torch.isfinite(loss)).float(), *parts.values()])
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        return totals[0] / self.trainer.world_size, bool(totals[1] > 0)
+        means = dict(zip(parts, totals[2:] / self.trainer.world_size, strict=True))
+        return totals[0] / self.trainer.world_size, bool(totals[1] > 0), means
 
     def _nonfinite(self, what: str) -> None:
         """Stops (raises) or, with `nonfinite_loss=skip`, reports the step that the caller then skips."""

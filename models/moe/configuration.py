@@ -66,3 +66,9 @@ class ZooMoeConfig(ZooLlamaConfig):
         dense_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
         moe_block = d * e + e * 3 * d * f  # router + experts (no biases)
         return super().num_parameters_formula() + self.num_moe_layers * (moe_block - dense_mlp)
+
+    def num_active_parameters_formula(self) -> int:
+        """Parameters one token's forward uses (MoE papers' "active" count): all of them but, in each MoE
+        layer, the E - k experts it is not routed to. Embeddings count as in the total."""
+        d, f, e, k = self.hidden_size, self.intermediate_size, self.num_local_experts, self.num_experts_per_tok
+        return self.num_parameters_formula() - self.num_moe_layers * (e - k) * 3 * d * f

@@ -87,3 +87,11 @@ class ZooMoeppConfig(ZooLlamaConfig):
         )
         gating_residual = (layers - 1) * n * n if self.gating_residual else 0  # W_g^j, j >= 2
         return super().num_parameters_formula() + layers * (moe - dense_mlp) + gating_residual
+
+    def num_active_parameters_formula(self) -> int:
+        """An upper bound of the parameters one token's forward uses: all of them but, in each layer, the FFN
+        experts beyond the k it may be routed to. A token that picks a zero-computation expert uses one FFN
+        expert or none, so the mean over tokens is lower (the point of MoE++)."""
+        d, f, n_ffn = self.hidden_size, self.intermediate_size, self.num_local_experts
+        unused = n_ffn - min(self.num_experts_per_tok, n_ffn)
+        return self.num_parameters_formula() - self.num_hidden_layers * unused * 3 * d * f

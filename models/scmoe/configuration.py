@@ -92,3 +92,9 @@ class ZooScMoeConfig(ZooLlamaConfig):
         )
         # Llama's count, each MoE block trading its dense MLP for the MoE parts.
         return super().num_parameters_formula() + self.num_moe_layers * (moe_block - dense_mlp)
+
+    def num_active_parameters_formula(self) -> int:
+        """Parameters one token's forward uses (MoE papers' "active" count): all of them but, in each MoE
+        block, the E - k routed experts it is not routed to (the shared expert always runs)."""
+        d, f, e, k = self.hidden_size, self.intermediate_size, self.num_local_experts, self.num_experts_per_tok
+        return self.num_parameters_formula() - self.num_moe_layers * (e - k) * 3 * d * f
