@@ -1,12 +1,14 @@
 """The zoo tour: train, convert, evaluate and bench every architecture, then write one report.
 
-    python -m eval.tour                          # what `make demo` runs (about 8-10 minutes on 2 CPU cores)
+    python -m eval.tour                          # what `make demo` runs (about 12 minutes on 2 CPU cores)
     python -m eval.tour report_dir=reports/demo  # ... and rewrite the committed example report
 
 Each step is the zoo's own entry point called in-process with its Hydra config (pretrain, convert,
 quality, bench), so the tour shows exactly what those commands do. The report (`report_dir`,
 default `<run dir>/report/README.md`, under outputs/) puts quality (validation perplexity, bundled
-lm-eval tasks, loss curves) beside speed (simulated-link and real-gloo bench) for every architecture.
+lm-eval tasks, loss curves; total and active parameters) beside speed for every architecture: one bench
+per family (`benches`), each against its own baseline (the tensor-parallel architectures against llama,
+the MoE family over expert parallelism against moe).
 """
 
 import shutil
@@ -16,8 +18,11 @@ from pathlib import Path
 import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig
 
+import models  # noqa: F401  (registers the zoo's configs with AutoConfig)
 from eval import bench_report, report
+from eval.bench import link_label
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
@@ -30,10 +35,20 @@ def pretrain_all(cfg: DictConfig, run_dir: Path) -> dict[str, dict]:
     results = {}
     for arch in cfg.archs:
         print(f"[tour] pretraining {arch}", flush=True)
+        started = time.perf_counter()
         c = _compose("pretrain", [f"model={arch}", *cfg.pretrain_overrides, f"seed={cfg.seed}"])
         c.paths.output_dir = str(run_dir / "pretrain" / arch)
         results[arch] = train(c)
+        results[arch]["num_active_parameters"] = active_parameters(results[arch]["hf_dir"], results[arch]["num_parameters"])
+        print(f"[tour] pretrained {arch} in {time.perf_counter() - started:.0f} s", flush=True)
     return results
+
+
+def active_parameters(checkpoint: str, total: int) -> int:
+    """Parameters one token's forward uses: the MoE configs' `num_active_parameters_formula()` (all but the
+    experts a token is not routed to; MoE++: an upper bound), the total for dense architectures."""
+    formula = getattr(AutoConfig.from_pretrained(checkpoint), "num_active_parameters_formula", None)
+    return formula() if formula is not None else total
 
 
 def convert_llama(cfg: DictConfig, run_dir: Path, llama_hf: str) -> dict:
@@ -56,21 +71,36 @@ def evaluate_all(cfg: DictConfig, run_dir: Path, checkpoints: dict[str, str]) ->
     results = {}
     for name, path in checkpoints.items():
         print(f"[tour] evaluating {name}", flush=True)
+        started = time.perf_counter()
         c = _compose("quality", [f"checkpoint={path}", *cfg.quality_overrides])
         c.out_dir = str(run_dir / "quality" / name.replace(" ", "_").replace(",", ""))
         results[name] = run(c)
+        print(f"[tour] evaluated {name} in {time.perf_counter() - started:.0f} s", flush=True)
     return results
 
 
-def bench_all(cfg: DictConfig, run_dir: Path) -> dict:
+def bench_all(cfg: DictConfig, run_dir: Path) -> dict[str, dict]:
+    """One bench per entry of `benches` whose baseline (its first arch) the tour trains, over the
+    architectures of `archs` it lists: {bench name: results, with "title" and "out_dir" added}."""
     from eval.bench import run_bench
 
-    print("[tour] benchmarking", flush=True)
-    c = _compose("bench", [f"archs=[{','.join(cfg.archs)}]", *cfg.bench_overrides])
-    plain = OmegaConf.to_container(c, resolve=False)
-    settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
-    command = " ".join(["python -m eval.bench", f"archs=[{','.join(cfg.archs)}]", *cfg.bench_overrides])
-    return run_bench(settings, run_dir / "bench", None, command)
+    results = {}
+    for name, spec in cfg.benches.items():
+        archs = [a for a in spec.archs if a in cfg.archs]
+        if not archs or archs[0] != spec.archs[0]:
+            print(f"[tour] bench {name} skipped: its baseline {spec.archs[0]} is not in archs", flush=True)
+            continue
+        print(f"[tour] benchmarking {name}: {', '.join(archs)}", flush=True)
+        started = time.perf_counter()
+        overrides = [f"archs=[{','.join(archs)}]", f"baseline={archs[0]}", *spec.overrides]
+        c = _compose("bench", overrides)
+        plain = OmegaConf.to_container(c, resolve=False)
+        settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
+        out_dir = run_dir / "bench" / name
+        results[name] = run_bench(settings, out_dir, None, " ".join(["python -m eval.bench", *overrides]))
+        results[name].update(title=spec.title, out_dir=str(out_dir))
+        print(f"[tour] benchmarked {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    return results
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -90,6 +120,7 @@ def quality_rows(quality: dict[str, dict], pretrained: dict[str, dict]) -> list[
         }
         if name in pretrained:
             row["params"] = pretrained[name].get("num_parameters")
+            row["active params"] = pretrained[name].get("num_active_parameters")
         rows.append(row)
     return rows
 
@@ -100,6 +131,8 @@ def _metric(tasks: dict, task: str, metric: str):
 
 
 def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
+    """The bench's simulated and real rows of every architecture but its baseline, sorted by variant,
+    degrees, batch; with the MoE all-to-all's share hidden per layer where the rows carry it."""
     keyed = []
     for r in bench["rows"]:
         if r["arch"] == bench["settings"]["baseline"] or r["variant"] not in ("simulated", "real"):
@@ -113,43 +146,49 @@ def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
             "decode speed-up": r["speedup_decode"],
             "hidden (decode)": r["hidden_fraction_decode"],
             "hidden (exposed, decode)": r.get("exposed_hidden_fraction_decode"),
-            "all-reduces/step": r["decode_comm_calls"],
+            "collectives/step": r["decode_comm_calls"],
         }
+        if "decode_a2a_bytes" in r:  # expert parallelism: per MoE layer, from the virtual clock
+            row["a2a bytes/layer (decode)"] = r["decode_a2a_bytes"]
+            row["a2a hidden share (decode)"] = r.get("decode_a2a_hidden_share")
+            row["a2a exposed / baseline's (decode)"] = r.get("decode_a2a_exposed_vs_baseline")
+            row["published hidden share"] = r.get("a2a_hidden_anchor")
         order = (row["variant"], bench_report.ranks(r["degrees"]), row["degrees"], r["batch"], archs.index(r["arch"]))
         keyed.append((order, row))
     return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]
 
 
-def glance_rows(q_rows: list[dict], bench: dict, archs: list[str]) -> list[dict]:
-    """One row per architecture: quality beside what its schedule hides, for the first screen."""
-    rows = bench["rows"]
-    top = max(bench["degrees"], key=bench_report.ranks)  # the most ranks measured
-    top_label = bench_report.degrees_label(top)
-    links = bench["settings"]["simulated"]["links"]
-
-    def pick(arch, key):
-        for r in rows:
-            if (r["arch"], r["variant"], r.get("link"), r["degrees"], r["batch"]) == (arch, "simulated", links[0], top, 1):
-                return r.get(key)
-        return None
-
+def glance_rows(q_rows: list[dict], benches: dict[str, dict], archs: list[str]) -> list[dict]:
+    """One row per architecture: quality beside what its schedule hides, in the bench of its family, at
+    that bench's largest degree point, first link, batch 1."""
     out = []
     for arch in archs:
         q = next((r for r in q_rows if r["model"] == arch), {})
-        hidden = sorted(
-            r["exposed_hidden_fraction_decode"]
-            for r in rows
-            if r["arch"] == arch and r["variant"] == "simulated" and r.get("exposed_hidden_fraction_decode") is not None
-        )
-        out.append({
-            "arch": arch,
-            "params": q.get("params"),
-            "val ppl": q.get("val ppl"),
-            "all-reduces per decode step": pick(arch, "decode_comm_calls"),
-            "share of exposed comm hidden (simulated, median)": hidden[len(hidden) // 2] if hidden else None,
-            f"prefill speed-up ({links[0]}, {top_label}, batch 1)": pick(arch, "speedup_prefill"),
-            f"decode speed-up ({links[0]}, {top_label}, batch 1)": pick(arch, "speedup_decode"),
-        })
+        row = {"arch": arch, "params": q.get("params"), "active params": q.get("active params"), "val ppl": q.get("val ppl")}
+        bench = next((b for b in benches.values() if arch in b["settings"]["archs"]), None)
+        if bench is not None:
+            rows = bench["rows"]
+            top = max(bench["degrees"], key=bench_report.ranks)  # the most ranks measured
+            link = bench["settings"]["simulated"]["links"][0]
+            picked = next(
+                (r for r in rows if (r["arch"], r["variant"], r.get("link"), r["degrees"], r["batch"])
+                 == (arch, "simulated", link, top, 1)),
+                {},
+            )
+            hidden = sorted(
+                r["exposed_hidden_fraction_decode"]
+                for r in rows
+                if r["arch"] == arch and r["variant"] == "simulated" and r.get("exposed_hidden_fraction_decode") is not None
+            )
+            row.update({
+                "against": bench["settings"]["baseline"],
+                "at": f"{bench_report.degrees_label(top)}, {link_label(link)}",
+                "collectives per decode step": picked.get("decode_comm_calls"),
+                "share of exposed comm hidden (simulated, median)": hidden[len(hidden) // 2] if hidden else None,
+                "prefill speed-up (batch 1)": picked.get("speedup_prefill"),
+                "decode speed-up (batch 1)": picked.get("speedup_decode"),
+            })
+        out.append(row)
     return out
 
 
@@ -167,36 +206,98 @@ def loss_curves(path: Path, pretrained: dict[str, dict]) -> Path:
                              title="validation loss on held-out plays")
 
 
-def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed) -> Path:
+def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[list[str], list[dict], dict[str, Path]]:
+    """The report's section of one bench: (Markdown lines, its rows, the plots copied beside the report)."""
+    images = {}
+    for plot in ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction_exposed", "a2a_exposed"):
+        src = Path(bench["out_dir"]) / f"{plot}.png"
+        if src.exists():
+            images[f"{name}_{plot}"] = Path(shutil.copy(src, out / f"{name}_{plot}.png"))
+    rows = speed_rows(bench, archs)
+    base = bench["settings"]["baseline"]
+    moe = any("a2a hidden share (decode)" in r for r in rows)
+    lines = [
+        f"## Speed: {bench['title']} (bench, random weights)",
+        "",
+        f"`{bench['command']}`. Speed-ups are over `{base}` in the same variant; hidden = "
+        f"(T_{base} - T_arch) / (T_{base} - T_upper_bound); hidden (exposed) = 1 - exposed_arch / exposed_{base} "
+        "on the virtual clock. Simulated rows: one rank's real compute + the link model; real rows: "
+        "gloo processes on this machine's cores.",
+        "",
+    ]
+    if moe:
+        lines += [
+            "Per MoE layer (simulated rows): **a2a bytes/layer** = bytes this rank hands to one token all-to-all, "
+            "counted; **a2a hidden share** = 1 - exposed / link time of the layer's two token all-to-alls on the "
+            f"virtual clock; **a2a exposed / baseline's** = against `{base}` (this mixes the schedule with the bytes: "
+            "ScMoE routes top-1, moe top-2); **published hidden share**: the ScMoE paper's.",
+            "",
+        ]
+    lines += [
+        *[f"> {n}" for n in bench["notes"]],
+        "",
+        report.write_markdown_table(rows, list(rows[0]) if rows else []),
+        "",
+        *[f"![{k}]({v.name})" for k, v in images.items()],
+        "",
+    ]
+    experts = bench.get("expert_throughput") or []
+    if experts:
+        lines += [
+            f"One MoE layer's forward timed for real on this machine ({experts[0]['tokens']} tokens, every expert "
+            "here, no communication), each router pushed to the load its balance loss aims for; speed-up over "
+            f"`{experts[0]['label']}`:",
+            "",
+            report.write_markdown_table(
+                experts,
+                [("label", "layer"), ("ffn_rows_per_token", "expert rows/token"), ("tokens_per_s", "tokens/s"),
+                 ("speedup", "speed-up"), ("anchor", "published")],
+            ),
+            "",
+        ]
+    return lines, rows, images
+
+
+def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapsed) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    archs = list(cfg.archs)
     images = {"loss_curves": loss_curves(out / "loss_curves.png", pretrained)}
-    for name in ("speedup_vs_batch.png", "speedup_vs_degree.png", "hidden_fraction_exposed.png"):
-        src = Path(bench["out_dir"]) / name if "out_dir" in bench else None
-        if src and src.exists():
-            images[name.removesuffix(".png")] = Path(shutil.copy(src, out / name))
     q_rows = quality_rows(quality, pretrained)
-    s_rows = speed_rows(bench, list(cfg.archs))
-    g_rows = glance_rows(q_rows, bench, list(cfg.archs))
+    g_rows = glance_rows(q_rows, benches, archs)
+    speed_lines, s_rows = [], {}
+    for name, bench in benches.items():
+        lines, s_rows[name], bench_images = speed_section(name, bench, archs, out)
+        speed_lines += lines
+        images.update(bench_images)
+    hardware = next(iter(benches.values()))["hardware"] if benches else {}
     conv = converted["val"]
     lines = [
         "# overlap-zoo tour",
         "",
         f"Produced by `make demo` (`python -m eval.tour`) in {elapsed / 60:.1f} minutes on "
-        f"{bench['hardware'].get('cpu', bench['hardware'].get('device', 'this machine'))}. "
+        f"{hardware.get('cpu', hardware.get('device', 'this machine'))}. "
         "Every number below was measured in this run.",
         "",
         "## At a glance",
         "",
-        "Quality from the pretraining below; speed from the bench below (simulated link: one rank's real "
-        "compute on this machine plus the link model). The share of exposed communication hidden is the "
-        "robust number on a CPU; time-based speed-ups carry this machine's timing noise.",
+        "Quality from the pretraining below; speed from the benches below (simulated link: one rank's real "
+        "compute on this machine plus the link model), each architecture against the baseline of its family "
+        "(`against`) at the bench's largest degree point on its first link (`at`). The share of exposed "
+        "communication hidden is the robust number on a CPU; time-based speed-ups carry this machine's timing "
+        "noise.",
         "",
         report.write_markdown_table(g_rows, list(g_rows[0])),
         "",
         "## Quality at equal tokens",
         "",
         f"Each architecture: the tiny config (`conf/model/<arch>.yaml`), trained with "
-        f"`{' '.join(cfg.pretrain_overrides)}` on the bundled corpus; evaluated on the held-out plays.",
+        f"`{' '.join(cfg.pretrain_overrides)}` on the bundled corpus; evaluated on the held-out plays. "
+        "**params** counts every parameter, **active params** those one token's forward uses (the configs' "
+        "`num_active_parameters_formula()`: all but the experts a token is not routed to; for MoE++ an upper "
+        "bound, two FFN experts, since a token routed to a zero-computation expert runs one or none). The MoE "
+        "configs are sized for equal ACTIVE parameters: each token uses as many as in llama (within 0.5%: "
+        "moe top-2 of 4 experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp top-2 of "
+        "4 FFN + 4 zero-computation experts), with about 30% more parameters in all (the experts).",
         "",
         report.write_markdown_table(q_rows, list(q_rows[0])),
         "",
@@ -212,33 +313,21 @@ def write_report(cfg, out: Path, pretrained, converted, quality, bench, elapsed)
         "|---|---|---|",
         *[f"| {k} | {v['loss']:.4f} | {v['ppl']:.2f} |" for k, v in conv.items()],
         "",
-        "## Speed (bench, random weights)",
-        "",
-        f"`{bench['command']}`. Speed-ups are over `llama` in the same variant; hidden = "
-        "(T_llama - T_arch) / (T_llama - T_upper_bound); hidden (exposed) = 1 - exposed_arch / exposed_llama "
-        "on the virtual clock. Simulated rows: one rank's real compute + the link model; real rows: "
-        "gloo processes on this machine's cores.",
-        "",
-        *[f"> {n}" for n in bench["notes"]],
-        "",
-        report.write_markdown_table(s_rows, list(s_rows[0]) if s_rows else []),
-        "",
-        *[f"![{k}]({v.name})" for k, v in images.items() if k != "loss_curves"],
-        "",
+        *speed_lines,
     ]
     path = out / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     report.write_json(out / "tour.json", {"glance": g_rows, "quality": q_rows, "speed": s_rows, "conversion": conv})
     if cfg.wandb:
+        tables = {"tour/quality": (list(q_rows[0]), q_rows)}
+        tables.update({f"tour/speed/{name}": (list(rows[0]), rows) for name, rows in s_rows.items() if rows})
         report.log_to_wandb(
             Path(cfg.paths.output_dir),  # the run directory, not the committed report folder
             project="overlap-zoo",
             name="tour",
             config=OmegaConf.to_container(cfg, resolve=True),
             summary={f"quality/{r['model']}/val_ppl": r["val ppl"] for r in q_rows},
-            tables={"tour/quality": (list(q_rows[0]), q_rows), "tour/speed": (list(s_rows[0]), s_rows)}
-            if s_rows
-            else {"tour/quality": (list(q_rows[0]), q_rows)},
+            tables=tables,
             images={f"tour/{k}": v for k, v in images.items()},
             tags=["tour"],
         )
@@ -255,11 +344,10 @@ def tour(cfg: DictConfig) -> Path:
         converted = convert_llama(cfg, run_dir, checkpoints["llama"])
         checkpoints["ladder (converted from llama)"] = converted["retrain"]["hf_dir"]
     quality = evaluate_all(cfg, run_dir, checkpoints)
-    bench = bench_all(cfg, run_dir)
-    bench["out_dir"] = str(run_dir / "bench")
-    path = write_report(cfg, Path(cfg.report_dir), pretrained, converted, quality, bench,
+    benches = bench_all(cfg, run_dir)
+    path = write_report(cfg, Path(cfg.report_dir), pretrained, converted, quality, benches,
                         time.perf_counter() - started)
-    print(f"[tour] report: {path}", flush=True)
+    print(f"[tour] report: {path} ({(time.perf_counter() - started) / 60:.1f} minutes)", flush=True)
     print(path.read_text(), flush=True)
     return path
 

@@ -8,13 +8,16 @@ from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.ladder import entry as ladder_entry
 from models.ladder import sharding as ladder_sharding
 from models.ladder.convert import LLAMA_TO_LADDER
+from models.linear import ZooLinearConfig, ZooLinearForCausalLM, ZooLinearModel
+from models.linear import entry as linear_entry
+from models.linear import sharding as linear_sharding
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
 from models.llama import entry as llama_entry
 from models.llama import sharding as llama_sharding
 from models.moe import ZooMoeConfig, ZooMoeForCausalLM, ZooMoeModel
 from models.moe import entry as moe_entry
-from models.moe.convert import LLAMA_TO_MOE
 from models.moe import sharding as moe_sharding
+from models.moe.convert import LLAMA_TO_MOE
 from models.moepp import ZooMoeppConfig, ZooMoeppForCausalLM, ZooMoeppModel
 from models.moepp import entry as moepp_entry
 from models.moepp import sharding as moepp_sharding
@@ -36,8 +39,8 @@ from models.registry import (
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
 from models.scmoe import entry as scmoe_entry
-from models.scmoe.convert import LLAMA_TO_SCMOE
 from models.scmoe import sharding as scmoe_sharding
+from models.scmoe.convert import LLAMA_TO_SCMOE
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
 TINY_LLAMA = dict(
@@ -137,6 +140,29 @@ register(
     sharding=moepp_sharding,
     bench_config=moepp_entry.bench_config,
     collectives_per_forward=moepp_entry.collectives_per_forward,
+)
+
+# Tiny Linear-Llama: linear attention in every layer (no decay), and the LASP-2 paper's hybrid, one softmax
+# layer in four ("LLLN"), with Lightning Attention's decay: the same classes, two registry entries.
+register(
+    "linear",
+    ZooLinearConfig,
+    ZooLinearForCausalLM,
+    ZooLinearModel,
+    tiny_config=TINY_LLAMA,
+    sharding=linear_sharding,
+    bench_config=linear_entry.bench_config,
+    collectives_per_forward=linear_entry.collectives_per_forward,
+)
+register(
+    "linear_hybrid",
+    ZooLinearConfig,
+    ZooLinearForCausalLM,
+    ZooLinearModel,
+    tiny_config={**TINY_LLAMA, "layer_pattern": linear_entry.HYBRID_PATTERN, "decay": "lightning"},
+    sharding=linear_sharding,
+    bench_config=linear_entry.hybrid_bench_config,
+    collectives_per_forward=linear_entry.collectives_per_forward,
 )
 
 register_converter(LLAMA_TO_LADDER)

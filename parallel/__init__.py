@@ -1,8 +1,9 @@
 """Parallelism: meshes and process groups, communication (real / none / simulated link), shard layouts
-(`parallel.layout`; the tensor-parallel roles in `parallel.tp`, the expert-parallel ones in `parallel.ep`)
-and unsharded state (`parallel.state`)."""
+(`parallel.layout`; the tensor-parallel roles in `parallel.tp`, the expert-parallel ones in `parallel.ep`),
+sequence-parallel attention (`parallel.sequence`: LASP-2, LASP-2H and the ring baselines) and unsharded
+state (`parallel.state`)."""
 
-from parallel import comm, ep, tp  # noqa: F401 (importing tp and ep registers their shard roles)
+from parallel import comm, ep, sequence, tp  # noqa: F401 (importing tp and ep registers their shard roles)
 from parallel.layout import MeshDim, ShardSpec, parallelize, register_role, shard_specs
 from parallel.mesh import init_mesh, mesh_group
 
@@ -14,5 +15,6 @@ __all__ = [
     "mesh_group",
     "parallelize",
     "register_role",
+    "sequence",
     "shard_specs",
 ]

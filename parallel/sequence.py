@@ -240,8 +240,9 @@ class _LASP1(torch.autograd.Function):
             for i in range(p - 1):
                 if i > 0:
                     hop = comm.send_recv(decay * prefix + state.detach(), group)
+                received = hop.wait()
                 # Rank 0 has no predecessor: what wraps round from rank P-1 is not its prefix.
-                prefix = hop.wait() if rank > 0 else prefix
+                prefix = received if rank > 0 else prefix
             prefix = prefix.requires_grad_(build)
             queries = _decayed_queries(q_, g_)
             out = out + (queries @ prefix).to(out.dtype)
@@ -265,8 +266,9 @@ class _LASP1(torch.autograd.Function):
         for i in range(p - 1):
             if i > 0:
                 hop = comm.send_recv(d_prefix + decay * d_passed_on, ctx.group, shift=-1)
+            received = hop.wait()
             # The last rank passes nothing on: what wraps round from rank 0 is not its gradient.
-            d_passed_on = hop.wait() if rank < p - 1 else d_passed_on
+            d_passed_on = received if rank < p - 1 else d_passed_on
         if rank < p - 1:
             grads = _add(grads, _grads(passed_on, d_passed_on, leaves))
         return (*grads, None, None, None)

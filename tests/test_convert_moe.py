@@ -141,6 +141,13 @@ def compose_convert(overrides: list[str], output_dir: Path):
         return compose("convert", overrides=[*overrides, f"paths.output_dir={output_dir}"])
 
 
+def run_convert(overrides: list[str], output_dir: Path) -> dict:
+    """`python -m train.convert <overrides>` in this process (retraining composes pretrain's config: Hydra
+    must be initialised, as it is under the app)."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return convert(compose("convert", overrides=[*overrides, f"paths.output_dir={output_dir}"]))
+
+
 def test_converters_are_registered():
     for name, target, options in (
         ("llama_to_moe", "moe", {"num_local_experts", "num_experts_per_tok", "moe_layer_freq"}),
@@ -173,12 +180,11 @@ RETRAIN = [
 
 def test_train_convert_upcycles_to_moe_and_retrains(trained_size_llama, tmp_path):
     retrain = "retrain.overrides=[" + ",".join(f"'{o}'" for o in RETRAIN) + "]"
-    cfg = compose_convert(
+    result = run_convert(
         ["converter=llama_to_moe", f"source={trained_size_llama}", "num_local_experts=4", "moe_layer_freq=2",
          *RUN, "retrain.enabled=true", retrain],
         tmp_path,
     )
-    result = convert(cfg)
     val = result["val"]
     assert list(val) == ["llama (source)", "moe, no retraining", "moe, retrained"]
     # Upcycling keeps the function: no jump (the order of the sums differs, nothing else).
@@ -191,13 +197,12 @@ def test_train_convert_upcycles_to_moe_and_retrains(trained_size_llama, tmp_path
 
 
 def test_train_convert_upcycles_to_scmoe(trained_size_llama, tmp_path):
-    cfg = compose_convert(["converter=llama_to_scmoe", f"source={trained_size_llama}", "num_local_experts=2", *RUN], tmp_path)
-    result = convert(cfg)
+    scmoe = ["converter=llama_to_scmoe", f"source={trained_size_llama}", "num_local_experts=2", *RUN]
+    result = run_convert(scmoe, tmp_path)
     assert list(result["val"]) == ["llama (source)", "scmoe, no retraining"]
     assert result["num_local_experts"] == 2 and result["shortcut_position"] == 2
     # the same seed, the same fresh routers
-    again = convert(compose_convert(["converter=llama_to_scmoe", f"source={trained_size_llama}", "num_local_experts=2",
-                                     *RUN, "evaluate.enabled=false"], tmp_path / "again"))
+    again = run_convert([*scmoe, "evaluate.enabled=false"], tmp_path / "again")
     first = models.ZooScMoeForCausalLM.from_pretrained(result["scmoe_dir"]).state_dict()
     second = models.ZooScMoeForCausalLM.from_pretrained(again["scmoe_dir"]).state_dict()
     assert all(torch.equal(first[k], second[k]) for k in first)
@@ -237,7 +242,6 @@ def test_train_convert_upcycles_to_scmoe(trained_size_llama, tmp_path):
          "stray-option", "other-converter-option", "missing-ladder_layers"],
 )
 def test_bad_upcycling_input_is_one_clear_error(sources, tmp_path, source, overrides, error, message):
-    cfg = compose_convert([f"source={sources / source}", "evaluate.enabled=false", *overrides], tmp_path)
     with pytest.raises(error, match=message):
-        convert(cfg)
+        run_convert([f"source={sources / source}", "evaluate.enabled=false", *overrides], tmp_path)
     assert not list(tmp_path.iterdir())  # nothing written

@@ -1,7 +1,8 @@
 """Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs, the report is written under
 the run directory, and nothing else is written into the checkout (the tour runs in a copy of it).
-Slow (1-3 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
+Slow (2-4 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,13 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 NOT_COPIED = (".git", ".venv", "outputs", "logs", "wandb", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache")
 
 OVERRIDES = [
-    "archs=[llama,parallel,ladder]",
+    "archs=[llama,parallel,ladder,moe,scmoe]",
     "pretrain_overrides=['experiment=demo','trainer.max_steps=4','trainer.val_check_interval=2',"
     "'trainer.limit_val_batches=2','data.seq_len=32','data.batch_size=4','logger=csv','sample.num_lines=0']",
     "convert.retrain_overrides=['trainer.max_steps=2','trainer.limit_val_batches=2','trainer.val_check_interval=2',"
     "'data.seq_len=32','data.batch_size=4','logger=none','callbacks=none']",
     "quality_overrides=['logger=none','threads=1','perplexity.max_batches=2','tasks.limit=5','tasks.bootstrap_iters=0']",
-    "bench_overrides=['bench_shape=tiny','batch_sizes=[1]','repeats=1','logger=none','tp=[2]']",
+    "benches.tensor_parallel.overrides=['bench_shape=tiny','batch_sizes=[1]','repeats=1','logger=none','tp=[2]']",
+    "benches.expert_parallel.overrides=['bench_preset=moe','bench_shape=tiny','ep=[2]','batch_sizes=[1]','repeats=1',"
+    "'logger=none','real.enabled=false','expert_throughput.tokens=64','expert_throughput.repeats=1']",
 ]
 
 
@@ -55,9 +58,17 @@ def test_tour_writes_report_under_outputs_and_nothing_else(tmp_path):
     (run,) = (checkout / "outputs" / "tour").iterdir()
     report = run / "report"
     text = (report / "README.md").read_text()
-    for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Speed"):
+    for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Speed: tensor parallelism",
+                    "## Speed: expert parallelism"):
         assert heading in text
-    for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)"):
+    for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)", "moe", "scmoe"):
         assert f"| {arch} |" in text
+    # total and active parameters: equal for the dense ones, fewer active for the MoE ones
+    glance = json.loads((report / "tour.json").read_text())["glance"]
+    counts = {row["arch"]: (row["params"], row["active params"]) for row in glance}
+    assert counts["llama"][0] == counts["llama"][1] and counts["moe"][1] < counts["moe"][0]
+    assert {row["arch"]: row.get("against") for row in glance} == {
+        "llama": "llama", "parallel": "llama", "ladder": "llama", "moe": "moe", "scmoe": "moe"
+    }
     assert (report / "loss_curves.png").stat().st_size > 0
     assert list((run / "wandb").glob("offline-run-*"))

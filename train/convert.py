@@ -48,7 +48,7 @@ def converter_options(cfg: DictConfig, converter: Converter) -> dict:
     one set for a converter that does not take it is refused rather than silently ignored."""
     takes = ", ".join(converter.options) or "none"
     others = {name for c in models.CONVERTERS.values() for name in c.options} - set(converter.options)
-    stray = sorted(n for n in others if n in cfg and not OmegaConf.is_missing(cfg, n) and cfg[n] is not None)
+    stray = sorted(n for n in others if n in cfg and cfg[n] is not None)  # `in` is False for ??? too
     if stray:
         given = ", ".join(f"{n}={cfg[n]}" for n in stray)
         owners = sorted(c.name for c in models.CONVERTERS.values() if set(stray) & set(c.options))
@@ -58,7 +58,7 @@ def converter_options(cfg: DictConfig, converter: Converter) -> dict:
         )
     options = {}
     for name in converter.options:
-        if name not in cfg:
+        if name not in cfg.keys():  # (`in cfg` is False for a missing value too)
             raise ValueError(f"conf/convert.yaml has no key {name!r}, an option of converter={converter.name}; add it there.")
         if OmegaConf.is_missing(cfg, name):
             raise ValueError(f"converter={converter.name} needs {name}=...; its options: {takes}.")

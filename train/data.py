@@ -350,6 +350,13 @@ def blocks_from_stream(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return stream[: n * seq_len].long().view(n, seq_len)
 
 
+def next_token_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """[B, T] -> [B, T]: position t's target is label t+1, the last position's `ignore_index`. Sequence
+    parallelism shifts before it splits a sequence over the sp ranks, so that the last position of a chunk
+    predicts the first token of the next chunk (a loss that shifts inside each chunk would drop those)."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
 def pack_dataset(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, seq_len: int) -> torch.Tensor:
     """Tokenize, append eos after each document, concatenate, cut into [num_blocks, seq_len] LongTensor.
 

@@ -15,12 +15,18 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 
 
-def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def summed_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of next-token cross-entropies, number of predicted tokens) of `logits` [B, T, V] against
-    `labels` [B, T] (position t predicts label t+1; labels equal to IGNORE_INDEX are skipped)."""
-    targets = labels[:, 1:]
+    `labels` [B, T] (position t predicts label t+1; labels equal to IGNORE_INDEX are skipped).
+
+    `shifted`: `labels` are already each position's target (position t predicts label t), as sequence
+    parallelism gives a chunk of a sequence shifted as a whole (train.data.next_token_targets)."""
+    targets = labels if shifted else labels[:, 1:]
+    logits = logits if shifted else logits[:, :-1]
     loss_sum = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        logits.float().reshape(-1, logits.shape[-1]),
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -36,6 +36,7 @@ from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
+from train.data import next_token_targets
 from train.metrics import summed_token_loss
 
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
@@ -159,6 +160,7 @@ class CausalLMModule(L.LightningModule):
         self._resumed_optimizer_settings: dict | None = None
         self._skip_update = False  # set by a skipped training_step for on_before_optimizer_step
         self._layout_applied = False
+        self._sp_group = None  # the sequence-parallel group (configure_model), whose ranks split each sequence
         self._balance_bias: bool | None = None  # whether any router has a balance bias (_has_balance_bias)
 
     def configure_model(self) -> None:
@@ -179,6 +181,7 @@ class CausalLMModule(L.LightningModule):
         if mesh_degrees(mesh) != self.degrees:
             raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
         parallel.parallelize(self.model, mesh)
+        self._sp_group = parallel.mesh_group(mesh, "sp") if self.degrees["sp"] > 1 else None
         self._layout_applied = True
 
     @property
@@ -191,7 +194,11 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
-        output = self.model(input_ids=input_ids, labels=labels, use_cache=False)
+        if self._sp_group is not None:
+            input_ids, labels, loss_kwargs = self._sequence_chunk(input_ids, labels)
+            output = self.model(input_ids=input_ids, labels=labels, use_cache=False, **loss_kwargs)
+        else:
+            output = self.model(input_ids=input_ids, labels=labels, use_cache=False)
         loss = output.loss
         mean_loss, nonfinite, mean_parts = self._across_ranks(loss, self._loss_parts(output))
         # The loss of the global batch: the mean over ranks of their batches' (every rank's batch has the
@@ -209,6 +216,21 @@ class CausalLMModule(L.LightningModule):
             self._skip_update = True
             return sum(p.sum() for p in self.parameters()) * 0.0
         return loss
+
+    def _sequence_chunk(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """Sequence parallelism: (this rank's chunk of the inputs, of the next-token targets, the model's loss
+        arguments). Every rank of the sp group holds the whole batch; rank r keeps tokens [r*N/P, (r+1)*N/P).
+        The targets are shifted over the whole sequence BEFORE splitting (a chunk's last position predicts
+        the next chunk's first token; the sequence's last predicts nothing), so the loss does not shift them
+        again (`shift_labels`). Each rank's loss is its targets' summed loss over (targets in the whole batch
+        / P): the mean over the sp ranks, which the logged loss and parallel.grad_sync take, is then the
+        loss of the whole sequences, as one process computes it."""
+        group = self._sp_group
+        targets = next_token_targets(labels)
+        chunk = parallel.sequence.split_sequence(targets, group)
+        num_targets = (targets != IGNORE_INDEX).sum() / self.degrees["sp"]
+        loss_kwargs = {"shift_labels": chunk, "num_items_in_batch": num_targets}
+        return parallel.sequence.split_sequence(input_ids, group), chunk, loss_kwargs
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called after backward and the gradient synchronisation (DDP's all-reduce, or
@@ -343,10 +365,14 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         input_ids = batch["input_ids"]
         labels = batch.get("labels", input_ids)
+        shifted = self._sp_group is not None
+        if shifted:
+            input_ids, labels, _ = self._sequence_chunk(input_ids, labels)
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         # Summed token losses (not the batch mean), so the final mean weights every token equally
-        # whatever the batch sizes and however many labels are masked; the same loss as eval's.
-        loss_sum, tokens = summed_token_loss(logits, labels)
+        # whatever the batch sizes and however many labels are masked; the same loss as eval's. Under
+        # sequence parallelism each rank sums its chunk's and on_validation_epoch_end adds the ranks up.
+        loss_sum, tokens = summed_token_loss(logits, labels, shifted=shifted)
         self._val_loss_sum += loss_sum.double()
         self._val_tokens += tokens
 

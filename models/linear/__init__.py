@@ -9,4 +9,10 @@ from models.linear.modeling import (
     ZooLinearPreTrainedModel,
 )
 
-__all__ = ["LinearCache", "ZooLinearConfig", "ZooLinearForCausalLM", "ZooLinearModel", "ZooLinearPreTrainedModel"]
+__all__ = [
+    "LinearCache",
+    "ZooLinearConfig",
+    "ZooLinearForCausalLM",
+    "ZooLinearModel",
+    "ZooLinearPreTrainedModel",
+]

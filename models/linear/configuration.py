@@ -9,9 +9,10 @@
   `learned`); see `modeling.fixed_log_decay` for the values and their papers.
 - `chunk_size`: tokens per chunk of the chunked kernel on CPU (models/linear/ops.py); any sequence
   length works, a multiple of it or not.
-- `sp_method` (`lasp2` | `lasp1`): the linear layers' algorithm under sequence parallelism;
-  `sp_softmax_method` (`allgather` | `ring`): the softmax layers' (all-gather of K and V as LASP-2H,
-  or ring attention). Both are run by parallel/sequence.py; on one device they change nothing.
+- `sp_method` (`lasp2` | `lasp1`): the algorithms under sequence parallelism (parallel/sequence.py):
+  `lasp2` = LASP-2 for the linear layers (one all-gather of d_k x d_v states) and LASP-2H for the softmax
+  layers (all-gather of K and V); `lasp1` = the baselines, LASP-1 (a ring of states) and ring attention.
+  On one device it changes nothing.
 """
 
 from models.llama.configuration import ZooLlamaConfig
@@ -19,7 +20,6 @@ from models.llama.configuration import ZooLlamaConfig
 LAYER_KINDS = {"L": "linear attention", "N": "softmax attention"}
 DECAYS = ("none", "lightning", "retnet", "learned")
 SP_METHODS = ("lasp2", "lasp1")
-SP_SOFTMAX_METHODS = ("allgather", "ring")
 
 
 class ZooLinearConfig(ZooLlamaConfig):
@@ -29,7 +29,6 @@ class ZooLinearConfig(ZooLlamaConfig):
     decay: str = "none"
     chunk_size: int = 64
     sp_method: str = "lasp2"
-    sp_softmax_method: str = "allgather"
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
@@ -51,16 +50,13 @@ class ZooLinearConfig(ZooLlamaConfig):
             raise ValueError(f"decay={self.decay!r} is not a linear-attention decay; use one of {DECAYS}.")
         size = self.chunk_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"chunk_size={size!r} must be a positive integer (tokens per chunk of the kernel).")
+            raise ValueError(
+                f"chunk_size={size!r} must be a positive integer (tokens per chunk of the kernel)."
+            )
         if self.sp_method not in SP_METHODS:
             raise ValueError(
-                f"sp_method={self.sp_method!r} is not a sequence-parallel method for linear-attention layers; "
-                f"use one of {SP_METHODS}."
-            )
-        if self.sp_softmax_method not in SP_SOFTMAX_METHODS:
-            raise ValueError(
-                f"sp_softmax_method={self.sp_softmax_method!r} is not a sequence-parallel method for softmax "
-                f"layers; use one of {SP_SOFTMAX_METHODS}."
+                f"sp_method={self.sp_method!r} is not a sequence-parallel method of this model; use one of "
+                f"{SP_METHODS} (LASP-2 and LASP-2H, or the baselines LASP-1 and ring attention)."
             )
 
     def is_linear_layer(self, layer_idx: int) -> bool:

@@ -18,14 +18,14 @@ def hybrid_bench_config(shape: dict, degrees: dict[str, int], **overrides) -> Zo
 
 
 def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collectives]:
-    """One forward under sequence parallelism over P = degrees["sp"] ranks (no tensor-parallel layout):
+    """One forward under sequence parallelism over P = degrees["sp"] ranks (parallel/sequence.py; there is
+    no tensor-parallel layout):
 
-    - linear layers, `sp_method: lasp2`: one all-gather of this rank's d_k x d_v states, B x H of them:
-      its size does not depend on the tokens, so it is declared with 0 values per token;
-      `lasp1`: P - 1 ring hops (send_recv) of one such state.
-    - softmax layers, `sp_softmax_method: allgather` (LASP-2H): one all-gather of this rank's K and V
-      (2 x num_key_value_heads x head_dim values per token); `ring`: P - 1 ring hops of K and V.
-    These follow parallel/sequence.py's schedule (K and V sent together).
+    - `sp_method: lasp2`: per linear layer one all-gather of this rank's d_k x d_v states, B x H of them,
+      whose size does not depend on the tokens (declared with 0 values per token); per softmax layer
+      (LASP-2H) two all-gathers, of K and of V (num_key_value_heads x head_dim values per token each).
+    - `sp_method: lasp1`: per linear layer P - 1 ring hops (send_recv) of one such state; per softmax layer
+      (ring attention) P - 1 hops of K and V together.
     """
     p = degrees.get("sp", 1)
     if p == 1:
@@ -33,16 +33,9 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     linear = config.num_linear_layers
     softmax = config.num_hidden_layers - linear
     kv_per_token = 2 * config.num_key_value_heads * config.head_dim
-    calls = {"all_gather": 0, "send_recv": 0}
-    values = {"all_gather": 0, "send_recv": 0}
     if config.sp_method == "lasp2":
-        calls["all_gather"] += linear
+        out = {"all_gather": Collectives(linear + 2 * softmax, softmax * kv_per_token)}
     else:
-        calls["send_recv"] += linear * (p - 1)
-    if config.sp_softmax_method == "allgather":
-        calls["all_gather"] += softmax
-        values["all_gather"] += softmax * kv_per_token
-    else:
-        calls["send_recv"] += softmax * (p - 1)
-        values["send_recv"] += softmax * (p - 1) * kv_per_token
-    return {kind: Collectives(calls[kind], values[kind]) for kind in calls if calls[kind]}
+        hops = p - 1
+        out = {"send_recv": Collectives(hops * (linear + softmax), hops * softmax * kv_per_token)}
+    return {kind: c for kind, c in out.items() if c.calls}

@@ -13,22 +13,23 @@ NormAttention), and the scale (fla's default) only keeps o's magnitude off the n
 cache (`SoftmaxAttention`). Every layer is the shared pre-norm block with the SwiGLU MLP.
 
 Decoding keeps O(1) memory per linear layer: `LinearCache` holds its [B, H, d_k, d_v] state (fp32) and a
-growing KV cache only for the N layers. Padding (a 2-D attention_mask) drops the padded tokens' keys
-from the state.
+growing KV cache only for the N layers. Padding (a 2-D attention_mask, left padding) drops the padded
+tokens' keys from the state.
 
 Sequence parallelism (parallel/sequence.py and this folder's sharding.py; on one device none of this
-runs). Each attention module has `sp_group = None`, set by the "sp" layout; when it is set, the module's
-forward hands its q, k, v (layout [B, H, C, D], this rank's chunk of C tokens, after the feature map,
-the scale and RoPE) to `parallel.sequence`:
+runs). The trunk and each attention module have `sp_group = None`, set by the "sp" layout; the trunk then
+offsets positions and the causal mask by the rank (`parallel.sequence.chunk_offset`), and the module
+hands its q, k, v (layout [B, H, C, D], this rank's chunk of C tokens, after the feature map, the scale
+and RoPE) to parallel.sequence, with the config's `sp_method` ("lasp2" | "lasp1"):
 
-- linear layers (`LinearAttention.mix`): `lasp2(q, k, v, log_decay, group)` or
-  `lasp1(q, k, v, log_decay, group)` (config `sp_method`), each returning o [B, H, C, d_v] for the chunk;
-  `log_decay` is [H] (<= 0) or None;
-- softmax layers (`SoftmaxAttention.forward`): `lasp2h(q, k, v, group)` (`sp_softmax_method:
-  allgather`: all-gather K and V) or `ring_attention(q, k, v, group)` (`ring`), causal with the mask
-  offset by rank, returning [B, H, C, h_d]; k and v have `num_key_value_heads` heads (GQA expands them
-  after the gather, which then moves fewer bytes).
-A cache under sequence parallelism is an error (decode on one device).
+- linear layers (`LinearAttention.mix`): `linear_attention(q, k, v, group, log_decay, method=...,
+  intra=...)`, `log_decay` [H] (<= 0) or None, `intra` this layer's kernel for the chunk's own causal
+  part (ops.linear_attention: fla on CUDA, the chunked kernel on CPU);
+- softmax layers (`SoftmaxAttention.forward`): `softmax_attention(q, k, v, group, attention_mask,
+  method=...)`, k and v with `num_key_value_heads` heads (fewer bytes to gather), the trunk's mask over
+  the keys before and in the chunk.
+Each returns the chunk's output [B, H, C, D]. A cache under sequence parallelism is an error (decode on
+one device).
 """
 
 import importlib
@@ -53,10 +54,6 @@ from models.common import (
 from models.linear.configuration import ZooLinearConfig
 from models.linear.ops import linear_attention
 from models.linear.sharding import PLAN, check_layout
-
-# Config value -> function of parallel.sequence that runs the layer under sequence parallelism.
-SP_FUNCTIONS = {"lasp2": "lasp2", "lasp1": "lasp1"}
-SP_SOFTMAX_FUNCTIONS = {"allgather": "lasp2h", "ring": "ring_attention"}
 
 
 def _sequence_parallel(function: str):
@@ -124,6 +121,7 @@ class LinearStateLayer(CacheLayerMixin):
         super().__init__()
         self.state = None
         self.seen_tokens = 0
+        self.device = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise TypeError("A linear-attention layer's cache holds a state, not keys and values.")
@@ -134,7 +132,7 @@ class LinearStateLayer(CacheLayerMixin):
         )
 
     def update_state(self, state: torch.Tensor, num_tokens: int) -> None:
-        self.state = state
+        self.state, self.device = state, state.device
         self.seen_tokens += num_tokens
         self.is_initialized = True
 
@@ -149,7 +147,6 @@ class LinearStateLayer(CacheLayerMixin):
 
     def offload(self):
         if self.state is not None:
-            self.device = self.state.device
             self.state = self.state.to("cpu", non_blocking=True)
 
     def prefetch(self):
@@ -223,7 +220,7 @@ class LinearAttention(nn.Module):
         self.head_dim = config.head_dim
         self.chunk_size = config.chunk_size
         self.decay = config.decay
-        d, inner, bias = config.hidden_size, config.num_attention_heads * config.head_dim, config.attention_bias
+        d, inner, bias = config.hidden_size, self.num_heads * self.head_dim, config.attention_bias
         self.q_proj = nn.Linear(d, inner, bias=bias)
         self.k_proj = nn.Linear(d, inner, bias=bias)
         self.v_proj = nn.Linear(d, inner, bias=bias)
@@ -258,7 +255,8 @@ class LinearAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(1, 2)
         if attention_mask is not None:
             # Padding: the trunk's mask [B, 1, q_len, keys] lets its last query see every key of this chunk
-            # except padding (and itself); a padded token's key then adds nothing to the state.
+            # except padding (and itself); a padded token's key then adds nothing to the state. The chunk's
+            # last token always counts (the mask cannot say it is padding): pad on the left, as generate does.
             k = k * attention_mask[:, :, -1:, -q_len:].transpose(-1, -2).to(k.dtype)
         o = self.mix(q, k, v, cache)
         o = self.o_norm(o.transpose(1, 2)).reshape(bsz, q_len, -1)
@@ -271,7 +269,10 @@ class LinearAttention(nn.Module):
         log_decay = self.log_decay()
         if self.sp_group is not None:
             _no_cache_under_sp(cache)
-            return _sequence_parallel(SP_FUNCTIONS[self.sp_method])(q, k, v, log_decay, self.sp_group)
+            sp_linear_attention = _sequence_parallel("linear_attention")
+            return sp_linear_attention(
+                q, k, v, self.sp_group, log_decay, method=self.sp_method, intra=self.intra_chunk
+            )
         _check_cache(cache)
         state = None if cache is None else cache.get_state(self.layer_idx)
         o, state = linear_attention(q, k, v, log_decay, initial_state=state, chunk_size=self.chunk_size)
@@ -279,12 +280,16 @@ class LinearAttention(nn.Module):
             cache.update_state(state, q.shape[2], self.layer_idx)
         return o
 
+    def intra_chunk(self, q, k, v, log_decay):
+        """The causal linear attention within one chunk of tokens (sequence parallelism adds the rest)."""
+        return linear_attention(q, k, v, log_decay, chunk_size=self.chunk_size)[0]
+
 
 class SoftmaxAttention(Attention):
     """The shared softmax attention (RoPE, GQA, KV cache) of a hybrid's N layers, with the sequence-parallel
     hook: on one device it is exactly the shared Attention."""
 
-    def __init__(self, *args, sp_method: str = "allgather", **kwargs):
+    def __init__(self, *args, sp_method: str = "lasp2", **kwargs):
         super().__init__(*args, **kwargs)
         # Set by the "sp" layout (sharding.py); None = one device.
         self.sp_group = None
@@ -293,8 +298,7 @@ class SoftmaxAttention(Attention):
     def forward(self, x, position_embeddings, attention_mask=None, cache=None):
         if self.sp_group is None:
             return super().forward(x, position_embeddings, attention_mask, cache)
-        # Under sequence parallelism the keys of the other ranks' chunks come from the group, so the
-        # trunk's mask (which covers only the tokens before this chunk) is not used.
+        # Under sequence parallelism the keys and values of the tokens before this chunk come from the group.
         _no_cache_under_sp(cache)
         bsz, q_len, _ = x.shape
         q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
@@ -302,7 +306,8 @@ class SoftmaxAttention(Attention):
         v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = _sequence_parallel(SP_SOFTMAX_FUNCTIONS[self.sp_method])(q, k, v, self.sp_group)
+        sp_softmax_attention = _sequence_parallel("softmax_attention")
+        out = sp_softmax_attention(q, k, v, self.sp_group, attention_mask, method=self.sp_method)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -321,7 +326,7 @@ class LinearDecoderLayer(PreNormDecoderLayer):
                 config.head_dim,
                 layer_idx,
                 bias=config.attention_bias,
-                sp_method=config.sp_softmax_method,
+                sp_method=config.sp_method,
             )
 
 
@@ -347,8 +352,17 @@ class ZooLinearPreTrainedModel(ZooPreTrainedModel):
 
 
 class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
+    def __init__(self, config):
+        super().__init__(config)
+        # Set by the "sp" layout (sharding.py); None = one device.
+        self.sp_group = None
+
     def make_layer(self, config, layer_idx):
         return LinearDecoderLayer(config, layer_idx)
+
+    def sequence_offset(self, q_len: int) -> int:
+        """Under sequence parallelism rank r's chunk of q_len tokens starts at r * q_len (0 on one device)."""
+        return 0 if self.sp_group is None else _sequence_parallel("chunk_offset")(self.sp_group, q_len)
 
     def make_rotary(self, config) -> RotaryEmbedding | None:
         """RoPE for the softmax layers of a hybrid; a pure linear model has no positions at all."""
