@@ -1,6 +1,9 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
 from models.checkpoint import apply_special_tokens, save_checkpoint
+from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
+from models.gqla import entry as gqla_entry
+from models.gqla import sharding as gqla_sharding
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.kraken import entry as kraken_entry
 from models.kraken import sharding as kraken_sharding
@@ -163,6 +166,28 @@ register(
     sharding=linear_sharding,
     bench_config=linear_entry.hybrid_bench_config,
     collectives_per_forward=linear_entry.collectives_per_forward,
+)
+
+# Tiny GQLA: the tiny llama's 4 heads in its 2 KV groups (n_g is num_key_value_heads), query heads of 8 + 8
+# RoPE dims, values of 16, a latent of 32 (full rank: min(64, 2 x (8 + 16)) = 48); the absorb path by default,
+# the gqa path at TP > 1 (fit_degrees).
+register(
+    "gqla",
+    ZooGQLAConfig,
+    ZooGQLAForCausalLM,
+    ZooGQLAModel,
+    tiny_config={
+        **TINY_LLAMA,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "attn_path": "absorb",
+    },
+    sharding=gqla_sharding,
+    fit_degrees=gqla_entry.fit_degrees,
+    bench_config=gqla_entry.bench_config,
+    collectives_per_forward=gqla_entry.collectives_per_forward,
 )
 
 register_converter(LLAMA_TO_LADDER)

@@ -38,7 +38,10 @@ shares up, as for every weight replicated over sp).
 
 States and their gradients are kept in fp32 (fp64 inputs stay fp64). In comm's `none` mode the
 collectives return the local tensor, which is repeated to the shape the real one has, so the per-rank
-compute is the same.
+compute is the same. In `simulated` mode one process plays rank 0: every rank takes part in each LASP-1
+hop and ring shift, so rank 0's timeline carries all P-1 of them, as the last rank's does; but ring
+attention's compute is unbalanced (rank t attends to t+1 blocks, rank 0 to one), so rank 0's simulated
+time is a lower bound for it.
 """
 
 import math
@@ -81,7 +84,8 @@ def split_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
             f"A sequence of N={n} tokens does not split over sp={p} ranks (each rank holds N/P tokens); "
             f"use a length divisible by {p}, e.g. {fits}."
         )
-    return x.narrow(dim, rank * (n // p), n // p)
+    # Contiguous: views of a row's middle would trip .view() in losses and need copies in collectives anyway.
+    return x.narrow(dim, rank * (n // p), n // p).contiguous()
 
 
 def chunk_offset(group, q_len: int) -> int:
@@ -145,9 +149,7 @@ def _weighted_sum(states: torch.Tensor, log_decay, c: int, hops: torch.Tensor) -
 
 def _leaves(build: bool, *tensors):
     """Detached copies that track gradients where the originals need them (None stays None)."""
-    return [
-        None if x is None else x.detach().requires_grad_(build and x.requires_grad) for x in tensors
-    ]
+    return [None if x is None else x.detach().requires_grad_(build and x.requires_grad) for x in tensors]
 
 
 def _grads(outputs, grad_outputs, leaves) -> list:
@@ -322,7 +324,13 @@ def lasp2h(q, k, v, group, attention_mask=None, scale=None):
 
 def _sdpa(q, k, v, mask, scale, causal: bool):
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and q.shape[2] > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal and q.shape[2] > 1,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
 
 
@@ -376,29 +384,34 @@ class _RingAttention(torch.autograd.Function):
         qa, d_out = q.to(acc), d_out.to(acc)
         d_q = torch.zeros_like(qa)
         delta = (d_out * out).sum(-1, keepdim=True)
-        # The K/V blocks go round the ring again, each with its gradient accumulator: every rank adds what
-        # its queries contribute to the block at hand and passes both on.
+        # The K/V blocks go round the ring again, each followed by its gradient accumulator: every rank adds
+        # what its queries contribute to the block at hand and passes the sum on. P hops bring each
+        # accumulator home; each is in flight during the next block's compute.
         block = torch.stack([k, v])
         d_block = torch.zeros(block.shape, dtype=acc, device=k.device)
+        arriving = None  # the accumulator of the block at hand, on its way from the previous rank
         for step in range(p):
             source = (rank - step) % p
             if step < p - 1:
                 shift = comm.send_recv(block, group)
+            d_kv = 0.0
             if source <= rank:
                 kb, vb = (_expand_heads(x, heads).to(acc) for x in block)
-                scores = _block_scores(qa, kb, _block_mask(ctx.attention_mask, source, rank, c, q.device), scale)
-                probs = torch.exp(scores - lse[..., None])
+                mask = _block_mask(ctx.attention_mask, source, rank, c, q.device)
+                probs = torch.exp(_block_scores(qa, kb, mask, scale) - lse[..., None])
                 d_scores = probs * (d_out @ vb.transpose(-1, -2) - delta) * scale
                 d_q += d_scores @ kb
                 d_k = d_scores.transpose(-1, -2) @ qa
                 d_v = probs.transpose(-1, -2) @ d_out
-                groups = heads // kv_heads  # GQA: a KV head's gradient sums over the query heads that share it
+                # GQA: a KV head's gradient sums over the query heads that share it.
+                groups = heads // kv_heads
                 d_kv = torch.stack([x.unflatten(1, (kv_heads, groups)).sum(2) for x in (d_k, d_v)])
-                d_block = d_block + d_kv
-            # The accumulator follows its block; after the last step it is one rank short of home.
-            d_block = comm.send_recv(d_block, group).wait()
+            if arriving is not None:
+                d_block = arriving.wait()
+            arriving = comm.send_recv(d_block + d_kv, group)
             if step < p - 1:
                 block = shift.wait()
+        d_block = arriving.wait()
         return d_q.to(q.dtype), d_block[0].to(k.dtype), d_block[1].to(v.dtype), None, None, None
 
 

@@ -32,8 +32,6 @@ from models.linear.ops import linear_attention_chunked, linear_attention_quadrat
 from parallel import comm, sequence
 from parallel.grad_sync import sync_gradients
 from tests.distributed import run_ranks
-from tests.test_train import compose_pretrain, subprocess_env
-from train.pretrain import train
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 CHUNK = 6  # tokens per rank: not a multiple of the kernel's chunk
@@ -79,8 +77,13 @@ def _linear_ops(rank, p, group):
             v2[:, :, j] -= 2.0
             with torch.no_grad():
                 again = sequence.linear_attention(
-                    _split(q.detach(), group), _split(k2, group), _split(v2, group), group,
-                    None if g is None else g.detach(), method=method, intra=intra,
+                    _split(q.detach(), group),
+                    _split(k2, group),
+                    _split(v2, group),
+                    group,
+                    None if g is None else g.detach(),
+                    method=method,
+                    intra=intra,
                 )
             before = max(0, min(CHUNK, j - rank * CHUNK))  # this rank's tokens that come before j
             assert torch.equal(again[:, :, :before], out.detach()[:, :, :before]), what
@@ -185,50 +188,51 @@ def fake_sp4():
     comm.set_mode("real")
 
 
-def _counted(fn, *shapes):
-    """Counters of one forward and backward of `fn` on random tensors of `shapes`."""
-    tensors = [torch.randn(*s, requires_grad=True) for s in shapes]
+def _counted(group, kind: str, method: str, n: int) -> dict:
+    """Counters of one forward and backward of the `kind` ("linear" or "softmax") attention of `method` on
+    chunks of n / 4 tokens (B 2, H 4, D 8; the softmax layer with 2 KV heads)."""
+    b, h, c, d = 2, 4, n // 4, 8
+    kv_heads = h if kind == "linear" else h // 2
+    q = torch.randn(b, h, c, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, c, d, requires_grad=True) for _ in range(2))
     comm.reset_counters()
-    fn(*tensors).sum().backward()
+    if kind == "linear":
+        out = sequence.linear_attention(q, k, v, group, method=method, intra=intra)
+    else:
+        out = sequence.softmax_attention(q, k, v, group, method=method)
+    out.sum().backward()
     return comm.snapshot_counters()
 
 
 def test_lasp_bytes_are_flat_in_n_ring_bytes_grow(fake_sp4):
-    group, p, b, h, d = fake_sp4.get_group("sp"), 4, 2, 4, 8
-    linear = {
-        method: lambda q, k, v, m=method: sequence.linear_attention(q, k, v, group, method=m, intra=intra)
-        for method in ("lasp2", "lasp1")
-    }
-    softmax = {
-        method: lambda q, k, v, m=method: sequence.softmax_attention(q, k, v, group, method=m)
-        for method in ("lasp2", "lasp1")
-    }
+    group, p = fake_sp4.get_group("sp"), 4
     with comm.use_mode("simulated", link="nvlink-h100") as clock:
         clock.start()
         counts = {
-            (kind, method, c): _counted(fns[method], (b, h, c, d), (b, h // 2 if kind == "softmax" else h, c, d),
-                                         (b, h // 2 if kind == "softmax" else h, c, d))
-            for kind, fns in (("linear", linear), ("softmax", softmax))
-            for method in fns
-            for c in (16, 32)
+            (kind, method, n): _counted(group, kind, method, n)
+            for kind in ("linear", "softmax")
+            for method in ("lasp2", "lasp1")
+            for n in (64, 128)
         }
-        assert clock.busy_by["send_recv"] > 0 and clock.busy_by["all_gather"] > 0
-    state = b * h * d * d * 4  # one rank's d_k x d_v states, fp32
-    # LASP-2: one all-gather of P states forward, one backward, whatever N.
-    assert counts["linear", "lasp2", 16] == counts["linear", "lasp2", 32] == {
-        "all_gather": {"calls": 2, "bytes": 2 * p * state}
-    }
+        assert clock.busy_by["send_recv"] > 0 and clock.busy_by["all_gather"] > 0  # both on the link
+    state = 2 * 4 * 8 * 8 * 4  # one rank's B x H states of d_k x d_v, fp32
+    # LASP-2: one all-gather of the P states forward, one backward, whatever N.
+    lasp2 = {"all_gather": {"calls": 2, "bytes": 2 * p * state}}
+    assert counts["linear", "lasp2", 64] == counts["linear", "lasp2", 128] == lasp2
     # LASP-1: P-1 hops of one state each way.
-    assert counts["linear", "lasp1", 16] == counts["linear", "lasp1", 32] == {
-        "send_recv": {"calls": 2 * (p - 1), "bytes": 2 * (p - 1) * state}
-    }
-    for method, kind in (("lasp1", "send_recv"), ("lasp2", "all_gather")):  # ring attention, LASP-2H
-        short, long = counts["softmax", method, 16][kind], counts["softmax", method, 32][kind]
+    lasp1 = {"send_recv": {"calls": 2 * (p - 1), "bytes": 2 * (p - 1) * state}}
+    assert counts["linear", "lasp1", 64] == counts["linear", "lasp1", 128] == lasp1
+    # Ring attention and LASP-2H move K and V: twice the tokens, twice the bytes, as many calls.
+    for method, kind in (("lasp1", "send_recv"), ("lasp2", "all_gather")):
+        short, long = counts["softmax", method, 64][kind], counts["softmax", method, 128][kind]
         assert long["calls"] == short["calls"] and long["bytes"] == 2 * short["bytes"]
-    # Ring attention forward: P-1 shifts of a K/V block [2, B, H_kv, C, D] (backward: those again and the
-    # P shifts of their fp32 gradient accumulators).
-    kv_block = 2 * b * (h // 2) * 16 * d * 4
-    assert counts["softmax", "lasp1", 16]["send_recv"] == {"calls": 3 * p - 2, "bytes": (3 * p - 2) * kv_block}
+    # Ring attention: P-1 shifts of a K/V block [2, B, H_kv, C, D] forward; backward those again and the P
+    # shifts of their (fp32) gradient accumulators.
+    kv_block = 2 * 2 * 2 * 16 * 8 * 4
+    assert counts["softmax", "lasp1", 64]["send_recv"] == {
+        "calls": 3 * p - 2,
+        "bytes": (3 * p - 2) * kv_block,
+    }
 
 
 @pytest.mark.parametrize("name", ["linear", "linear_hybrid"])
@@ -253,7 +257,9 @@ def test_none_mode_keeps_the_shapes_and_counts_nothing(fake_sp4):
     comm.reset_counters()
     with comm.use_mode("none"):
         for method in ("lasp2", "lasp1"):
-            out = sequence.linear_attention(q, k, v, group, torch.full((4,), -0.1), method=method, intra=intra)
+            out = sequence.linear_attention(
+                q, k, v, group, torch.full((4,), -0.1), method=method, intra=intra
+            )
             out.sum().backward()
             assert out.shape == q.shape
             out = sequence.softmax_attention(q, k[:, :2], v[:, :2], group, method=method)
@@ -267,7 +273,9 @@ def test_none_mode_keeps_the_shapes_and_counts_nothing(fake_sp4):
 
 def test_bad_input_is_one_clear_error(fake_sp4):
     group = fake_sp4.get_group("sp")
-    with pytest.raises(ValueError, match=r"N=10 tokens does not split over sp=4 ranks.*divisible by 4, e\.g\. 8 or 12"):
+    with pytest.raises(
+        ValueError, match=r"N=10 tokens does not split over sp=4 ranks.*divisible by 4, e\.g\. 8 or 12"
+    ):
         sequence.split_sequence(torch.zeros(2, 10), group)
     with pytest.raises(ValueError, match=r"N=3 tokens does not split over sp=4 ranks.*e\.g\. 4\.$"):
         sequence.split_sequence(torch.zeros(2, 3), group)
@@ -290,7 +298,7 @@ RUN = [
     "model.config.hidden_size=64",
     "model.config.intermediate_size=128",
     "model.config.num_hidden_layers=2",
-    "model.config.chunk_size=8",  # the 16-token chunks of sp 2 are two kernel chunks; the 32 tokens four
+    "+model.config.chunk_size=8",  # the 16-token chunks of sp 2 are two kernel chunks; the 32 tokens four
     "data.seq_len=32",
     "data.batch_size=4",
     "trainer.limit_val_batches=2",
@@ -307,13 +315,20 @@ def _metrics(run_dir: Path, key: str) -> list[float]:
     return [float(row[key]) for row in csv.DictReader(path.open()) if row.get(key)]
 
 
-@pytest.mark.slow
 def test_training_at_sp2_gives_the_one_process_loss_curve(tmp_path):
+    # Imported here: the spawned ranks of the tests above import this module, and need none of it.
+    from tests.test_train import compose_pretrain, subprocess_env
+    from train.pretrain import train
+
     train(compose_pretrain(RUN, tmp_path / "one_process"))
     run_dir = tmp_path / "sp2"
     proc = subprocess.run(
         [sys.executable, "-m", "train.pretrain", f"hydra.run.dir={run_dir}", *RUN, "parallel=sp2"],
-        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for key in ("train/loss", "val/loss"):

@@ -12,8 +12,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        # fp32 statistics: in bf16 the mean of squares loses too many bits for deep models.
+        # At least fp32 statistics: in bf16 the mean of squares loses too many bits for deep models. (fp64
+        # stays fp64, so that fp64 parity tests are not limited by this norm's rounding.)
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
