@@ -109,7 +109,8 @@ def test_switch_paths_mid_sequence(q_len):
         for t in range(9, ids.shape[1], q_len):
             pieces.append(model(ids[:, t : t + q_len], cache=cache).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=TOL)
-    assert latent.get_seq_length() == 9 and cache.get_seq_length() == ids.shape[1]  # the latent is left as it was
+    # The latent cache is left as it was.
+    assert latent.get_seq_length() == 9 and cache.get_seq_length() == ids.shape[1]
     assert latent.to_gqa(model).get_seq_length() == 9
 
 
@@ -179,7 +180,9 @@ def test_attention_is_the_spec(path, variant):
     model = build(**VARIANTS[variant])
     model.set_attn_path(path)
     attn = model.model.layers[1].self_attn
-    x = torch.randn(2, 9, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(
+        2, 9, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
         rope = model.model.rotary_emb(x, torch.arange(9)[None])
         got = attn(x, rope)
@@ -204,7 +207,9 @@ def test_weight_names_and_shapes():
         "o_proj.weight": (d, h * 16),
     }
     prefix = "model.layers.0.self_attn."
-    got = {k.removeprefix(prefix): tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(prefix)}
+    got = {
+        k.removeprefix(prefix): tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(prefix)
+    }
     assert got == expected
     assert "kv_a_layernorm.weight" not in {k.removeprefix(prefix) for k in build().state_dict()}
 
@@ -259,7 +264,9 @@ def test_path_and_cache_form_errors():
     with torch.no_grad():
         latent = model(tokens(1, 4), use_cache=True).cache
         model.set_attn_path("gqa")
-        with pytest.raises(ValueError, match=r"absorb path's form but the model runs attn_path='gqa'; expand it"):
+        with pytest.raises(
+            ValueError, match=r"absorb path's form but the model runs attn_path='gqa'; expand it"
+        ):
             model(tokens(1, 1), cache=latent)
         grouped = model(tokens(1, 4), use_cache=True).cache
         model.set_attn_path("absorb")
@@ -308,9 +315,14 @@ def test_bad_field_set_after_construction_is_caught_at_build():
 def test_tp_that_does_not_fit_is_one_clear_error():
     entry = models.ZOO["gqla"]
     gqa = entry.tiny(attn_path="gqa")  # 2 groups
-    with pytest.raises(ValueError, match=r"TP degree 4 does not divide num_kv_groups=2; TP degrees that fit this model: \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"TP degree 4 does not divide num_kv_groups=2; TP degrees that fit this model: \[1, 2\]",
+    ):
         entry.check_layout(gqa, {"tp": 4})
-    with pytest.raises(ValueError, match=r"attn_path='absorb' does not shard over TP \(tp=2\).*attn_path='gqa'"):
+    with pytest.raises(
+        ValueError, match=r"attn_path='absorb' does not shard over TP \(tp=2\).*attn_path='gqa'"
+    ):
         entry.check_layout(entry.tiny(), {"tp": 2})
     entry.check_layout(entry.tiny(), {"tp": 1})
     assert entry.tiny_at({"tp": 2}).attn_path == "gqa"
@@ -329,7 +341,7 @@ def test_tp_that_does_not_fit_is_one_clear_error():
 # --- TP over groups on gloo
 
 
-# 2 query heads per group; the default init scale keeps fp32 logits O(1), so that atol 1e-5 is fair.
+# 2 query heads per group; a small init scale keeps the fp32 logits O(1), so that atol 1e-5 is fair.
 TP_CONFIG = dict(num_attention_heads=8, num_kv_groups=4, attn_path="gqa", initializer_range=0.05)
 
 
@@ -376,5 +388,6 @@ def test_tp2_equals_one_device():
 
 @pytest.mark.slow
 def test_tp4_equals_one_device():
-    # TP 4 of the registry's tiny (one head per group) runs in tests/test_tp.py by default; this is 2 per group.
+    # TP 4 of the registry's tiny (one head per group) runs in tests/test_tp.py by default; here 2 heads
+    # per group.
     run_ranks(_tp_equals_one_device, 4)

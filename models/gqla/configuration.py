@@ -66,7 +66,9 @@ class ZooGQLAConfig(ZooLlamaConfig):
         if self.v_head_dim is None:
             self.v_head_dim = self.head_dim
         if not _positive_int(groups):
-            raise ValueError(f"num_kv_groups={groups!r} must be a positive integer: the number of up-projection groups.")
+            raise ValueError(
+                f"num_kv_groups={groups!r} must be a positive integer: the number of up-projection groups."
+            )
         if _positive_int(heads) and heads % groups != 0:
             raise ValueError(
                 f"num_attention_heads={heads} is not divisible by num_kv_groups={groups} (stored as "
@@ -110,7 +112,9 @@ class ZooGQLAConfig(ZooLlamaConfig):
         """The most dims the latent can usefully have: the rank of x -> [K_nope; V] over all groups."""
         return min(self.hidden_size, self.num_key_value_heads * (self.qk_nope_head_dim + self.v_head_dim))
 
-    def kv_bytes_per_token(self, path: str | None = None, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
+    def kv_bytes_per_token(
+        self, path: str | None = None, dtype: torch.dtype = torch.bfloat16, tp: int = 1
+    ) -> int:
         """KV-cache bytes per token per layer on `path` (default: `attn_path`), on one of `tp` ranks.
 
         absorb: [c ; k_r], d_c + d_r values, the same on every rank (the path does not shard).
@@ -136,7 +140,12 @@ class ZooGQLAConfig(ZooLlamaConfig):
         and, if asked, kv_a_layernorm (d_c); it replaces Llama's q, k, v, o.
         """
         d, h, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        d_c, d_r, d_nope, d_v = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        d_c, d_r, d_nope, d_v = (
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.qk_nope_head_dim,
+            self.v_head_dim,
+        )
         llama_attn = d * h * hd + 2 * d * kv * hd + h * hd * d
         attn = d * h * (d_nope + d_r) + d * d_c + d * d_r + kv * (d_nope + d_v) * d_c + h * d_v * d
         if self.attention_bias:

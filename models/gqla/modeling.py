@@ -1,4 +1,5 @@
-"""GQLA: group-query latent attention (spec ../shared/specs/gqla.md), one set of weights, two exact decode paths.
+"""GQLA: group-query latent attention (spec ../shared/specs/gqla.md): one set of weights, two exact decode
+paths.
 
 Per layer, in DeepSeek MLA's notation (H query heads, n_g groups, head h in group g(h) = h // (H / n_g)):
 
@@ -20,7 +21,8 @@ model. RoPE touches the d_r dims only (the trunk's `make_rotary` hook at dim d_r
 
 Caches (made by the trunk's `make_cache` hook, so forward and generate() get the right one):
 - `LatentCache` (absorb): a `LatentLayer` per layer holding [c ; k_r] as the key of a single KV head. The
-  absorbed value is c, the key's first d_c dims, so the layer's values are zero-width: nothing is stored twice.
+  absorbed value is c, the key's first d_c dims, so the layer's values are zero-width: nothing is stored
+  twice.
 - `GroupedKVCache` (gqa): a transformers `DynamicLayer` per layer with keys [B, n_g, T, d_nope + d_r] and
   values [B, n_g, T, d_v] (this rank's groups under TP).
 `model.expand_cache(latent_cache)` (or `latent_cache.to_gqa(model)`) up-projects an absorb cache into gqa
@@ -106,9 +108,13 @@ class GroupQueryLatentAttention(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.softmax_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=bias)
+        self.q_proj = nn.Linear(
+            d, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=bias
+        )
         self.kv_a_proj = nn.Linear(d, self.kv_lora_rank, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_a_layernorm else None
+        self.kv_a_layernorm = (
+            RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_a_layernorm else None
+        )
         self.k_rope_proj = nn.Linear(d, self.qk_rope_head_dim, bias=bias)
         self.k_up = nn.Parameter(torch.empty(self.num_groups, self.qk_nope_head_dim, self.kv_lora_rank))
         self.v_up = nn.Parameter(torch.empty(self.num_groups, self.v_head_dim, self.kv_lora_rank))
@@ -144,15 +150,18 @@ class GroupQueryLatentAttention(nn.Module):
         return torch.einsum(equation, x, weight).reshape(bsz, heads, q_len, -1)
 
     def absorbed_attention(self, q_nope, q_rope, latent, attention_mask, cache):
-        """MQA over the latent: o_h = W_UV^(g) softmax((W_UK^(g)^T q_h^nope) . c + q_h^r . k_r) c. [B, H, T, d_v]"""
+        """MQA over the latent: o_h = W_UV^(g) softmax((W_UK^(g)^T q_h^nope) . c + q_h^r . k_r) c.
+        Returns [B, H, T, d_v]."""
         if self.tp_group is not None:
             raise ValueError(
                 "attn_path='absorb' runs on one device only (its latent cache is shared by every head); this "
                 "model is sharded over TP: use model.set_attn_path('gqa')."
             )
         if cache is not None:
-            latent, _ = cache.update(latent, latent[..., :0], self.layer_idx)  # values: zero-width (LatentLayer)
-        q_latent = self.per_group(q_nope, "bgmtn,gnc->bgmtc", self.k_up)  # W_UK^(g)^T q_h^nope: [B, H, T, d_c]
+            # The value is the key's first d_c dims: nothing more is stored (LatentLayer).
+            latent, _ = cache.update(latent, latent[..., :0], self.layer_idx)
+        # W_UK^(g)^T q_h^nope: the query in latent space, [B, H, T, d_c].
+        q_latent = self.per_group(q_nope, "bgmtn,gnc->bgmtc", self.k_up)
         query = torch.cat([q_latent, q_rope], dim=-1)
         o_latent = F.scaled_dot_product_attention(
             query,
@@ -182,8 +191,8 @@ class GroupQueryLatentAttention(nn.Module):
         )
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, 1, T, d_c + d_r] -> this module's groups' K_g = [W_UK^(g) c ; k_r] [B, n_g, T, d_nope + d_r]
-        and V_g = W_UV^(g) c [B, n_g, T, d_v]."""
+        """latent [B, 1, T, d_c + d_r] -> this module's groups' keys K_g = [W_UK^(g) c ; k_r]
+        [B, n_g, T, d_nope + d_r] and values V_g = W_UV^(g) c [B, n_g, T, d_v]."""
         c, k_rope = latent[:, 0].split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_nope = torch.einsum("btc,gnc->bgtn", c, self.k_up)
         value = torch.einsum("btc,gvc->bgtv", c, self.v_up)
@@ -249,8 +258,9 @@ class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):
         self.config.attn_path = path
 
     def expand_cache(self, cache: Cache) -> "GroupedKVCache":
-        """An absorb-path cache ([c ; k_r] per token) in gqa form: each (local) group's K_g = [W_UK^(g) c ; k_r]
-        and V_g = W_UV^(g) c, up-projected with this model's weights. The latent cache is left as it was."""
+        """An absorb-path cache ([c ; k_r] per token) in gqa form: each (local) group's
+        K_g = [W_UK^(g) c ; k_r] and V_g = W_UV^(g) c, up-projected with this model's weights. The latent
+        cache is left as it was."""
         if getattr(cache, "attn_path", None) != "absorb":
             raise ValueError(
                 f"expand_cache takes the absorb path's LatentCache ([c ; k_r] per token), not a "
@@ -278,7 +288,9 @@ class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):
                 else "a gqa cache cannot be compressed back into the latent; keep attn_path='gqa' for this "
                 "sequence, or prefill again on the absorb path"
             )
-            raise ValueError(f"The cache is in the {form} path's form but the model runs attn_path={path!r}; {fix}.")
+            raise ValueError(
+                f"The cache is in the {form} path's form but the model runs attn_path={path!r}; {fix}."
+            )
         return super().run_layers(hidden_states, position_embeddings, attention_mask, cache)
 
 
