@@ -4,6 +4,7 @@ from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
 from models.gqla import entry as gqla_entry
 from models.gqla import sharding as gqla_sharding
+from models.gqla.convert import LLAMA_TO_GQLA
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.kraken import entry as kraken_entry
 from models.kraken import sharding as kraken_sharding
@@ -194,6 +195,8 @@ register_converter(LLAMA_TO_LADDER)
 # Sparse upcycling: a dense Llama's MLPs copied into every expert.
 register_converter(LLAMA_TO_MOE)
 register_converter(LLAMA_TO_SCMOE)
+# TransGQLA: RoRoPE + joint low-rank [K_nope, V] of a GQA Llama (models/gqla/convert.py).
+register_converter(LLAMA_TO_GQLA)
 
 __all__ = [
     "CONVERTERS",

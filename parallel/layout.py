@@ -92,6 +92,26 @@ def check_divisible(what: dict[str, int], degree: int, dim: str = "tp") -> None:
 # --- what roles use ------------------------------------------------------------------------------
 
 
+PARALLEL_NAMES = {"dp": "data", "ep": "expert", "sp": "sequence", "tp": "tensor"}
+
+
+def check_planned(config, plan: dict, degrees: dict[str, int]) -> None:
+    """One clear error for a degree above 1 over a mesh dimension `plan` has no layout for.
+
+    dp replicates every model, so it always fits; ep, sp or tp without a layout would only be data
+    parallelism by another name (or wrong). Every architecture's `check_layout` starts with this.
+    """
+    sharded = [d for d in DIM_ORDER if d in plan]
+    for dim in DIM_ORDER:
+        degree = degrees.get(dim, 1)
+        if dim != "dp" and degree != 1 and dim not in plan:
+            raise ValueError(
+                f"{config.model_type} has no {PARALLEL_NAMES[dim]}-parallel layout, so {dim}={degree} does not fit; "
+                f"{dim.upper()} degrees that fit this model: [1] (it shards over {', '.join(sharded) or 'nothing'}; "
+                "dp gives data parallelism to any model)."
+            )
+
+
 def record(module: nn.Module, param_name: str, spec: ShardSpec) -> None:
     """Remember that `module.<param_name>` is sharded as `spec` (after any earlier dimension's spec)."""
     if not hasattr(module, "_zoo_shards"):

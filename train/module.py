@@ -73,18 +73,9 @@ def parallel_degrees(parallel: dict | None) -> dict[str, int]:
 
 
 def check_degrees(model_name: str, config, degrees: dict[str, int]) -> None:
-    """One clear error if architecture `model_name` with `config` cannot run at `degrees`: its own
-    `check_layout`, then any degree above 1 over a dimension its sharding.py has no layout for (dp
-    replicates every model; ep or sp over a dense model would only be data parallelism by another name)."""
-    entry = models.get(model_name)
-    entry.check_layout(config, degrees)
-    for dim in ("ep", "sp", "tp"):
-        if degrees[dim] > 1 and dim not in entry.degrees:
-            raise ValueError(
-                f"{model_name} has no {PARALLEL_NAMES[dim]}-parallel layout (its sharding.py shards over "
-                f"{list(entry.degrees) or 'nothing'}), so parallel.{dim}={degrees[dim]} does not fit; use "
-                f"parallel.{dim}=1 (parallel.dp gives data parallelism to any model)."
-            )
+    """One clear error if architecture `model_name` with `config` cannot run at `degrees`: its sharding.py's
+    `check_layout` (which also refuses a degree above 1 over a dimension it has no layout for)."""
+    models.get(model_name).check_layout(config, degrees)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -18,7 +18,7 @@ query heads and replicate the cache on every rank. `check_layout` refuses it at 
 
 from torch import nn
 
-from parallel.layout import MeshDim, check_divisible, register_role, split_param
+from parallel.layout import MeshDim, check_divisible, check_planned, register_role, split_param
 
 PLAN = {
     "tp": {
@@ -33,12 +33,8 @@ PLAN = {
 
 def check_layout(config, degrees: dict[str, int]) -> None:
     """TP over groups on the gqa path: the degree divides n_g (so heads too) and the MLP width; no sp."""
-    tp, sp = degrees.get("tp", 1), degrees.get("sp", 1)
-    if sp != 1:
-        raise ValueError(
-            f"{config.model_type} has no sequence-parallel layout, so sp={sp} does not fit; SP degrees that fit "
-            "this model: [1] (it shards over tp)."
-        )
+    check_planned(config, PLAN, degrees)
+    tp = degrees.get("tp", 1)
     if tp > 1 and config.attn_path == "absorb":
         raise ValueError(
             f"attn_path='absorb' does not shard over TP (tp={tp}): its latent cache [c ; k_r] is shared by every "

@@ -14,7 +14,7 @@ stream, whose all-reduces are exposed again.
 
 from torch import nn
 
-from parallel.layout import MeshDim, keep_own_entry, register_role
+from parallel.layout import MeshDim, check_planned, keep_own_entry, register_role
 
 PLAN = {
     "tp": {
@@ -27,15 +27,12 @@ PLAN = {
 
 def check_layout(config, degrees: dict[str, int]) -> None:
     """Kraken's layout has one stream per rank: the TP degree must be k (or 1, unsharded)."""
-    k, tp, sp = config.kraken_degree, degrees.get("tp", 1), degrees.get("sp", 1)
+    check_planned(config, PLAN, degrees)
+    k, tp = config.kraken_degree, degrees.get("tp", 1)
     if tp not in (1, k):
         raise ValueError(
             f"Kraken with kraken_degree={k} runs at TP degree {k} (rank i holds stream i), not at TP degree "
             f"{tp}; TP degrees that fit this model: {sorted({1, k})} (or build it with kraken_degree={tp})."
-        )
-    if sp != 1:
-        raise ValueError(
-            f"Kraken has no sequence-parallel layout, so sp={sp} does not fit; SP degrees that fit: [1]."
         )
 
 

@@ -13,6 +13,8 @@ Not sharded: no tensor-parallel layout (a tp degree above 1 is refused; the head
 the layout is not written) and no expert parallelism.
 """
 
+from parallel.layout import check_planned
+
 PLAN = {
     "sp": {
         "model": "group",  # the trunk: positions and the causal mask offset by the rank (sequence_offset)
@@ -24,10 +26,4 @@ PLAN = {
 def check_layout(config, degrees: dict[str, int]) -> None:
     """Any sp degree fits (the sequence length is checked where sequences are split, parallel.sequence.
     split_sequence); tp and ep have no layout."""
-    for dim, what in (("tp", "tensor"), ("ep", "expert")):
-        degree = degrees.get(dim, 1)
-        if degree != 1:
-            raise ValueError(
-                f"{config.model_type} has no {what}-parallel layout, so {dim}={degree} does not fit; "
-                f"{dim.upper()} degrees that fit this model: [1] (it shards over sp: sequence parallelism)."
-            )
+    check_planned(config, PLAN, degrees)

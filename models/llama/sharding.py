@@ -6,7 +6,7 @@ it to the residual stream (two all-reduces of B x T x d per layer). Embedding, n
 replicated. The KV cache is sharded by heads for free (each rank caches its own KV heads).
 """
 
-from parallel.layout import check_divisible
+from parallel.layout import check_divisible, check_planned
 
 PLAN = {
     "tp": {
@@ -20,12 +20,7 @@ PLAN = {
 def check_layout(config, degrees: dict[str, int]) -> None:
     """The TP degree splits query heads, KV heads (no KV replication) and the MLP width evenly; the
     model has no sequence-parallel forward."""
-    sp = degrees.get("sp", 1)
-    if sp != 1:
-        raise ValueError(
-            f"{config.model_type} has no sequence-parallel layout, so sp={sp} does not fit; SP degrees that fit "
-            "this model: [1] (it shards over tp)."
-        )
+    check_planned(config, PLAN, degrees)
     sizes = {
         k: getattr(config, k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     }

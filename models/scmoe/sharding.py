@@ -13,7 +13,7 @@
 On an ep x tp mesh the ep all-to-alls run among the ranks of one tp coordinate.
 """
 
-from parallel.layout import check_divisible
+from parallel.layout import check_divisible, check_planned
 
 PLAN = {
     "ep": {
@@ -31,12 +31,7 @@ PLAN = {
 def check_layout(config, degrees: dict[str, int]) -> None:
     """EP splits the routed experts evenly; TP splits query heads, KV heads, the shared expert's width and
     (with dense blocks) the MLP width evenly; no sequence-parallel forward."""
-    sp = degrees.get("sp", 1)
-    if sp != 1:
-        raise ValueError(
-            f"{config.model_type} has no sequence-parallel layout, so sp={sp} does not fit; SP degrees that fit "
-            "this model: [1] (it shards over ep and tp)."
-        )
+    check_planned(config, PLAN, degrees)
     check_divisible({"num_local_experts": config.num_local_experts}, degrees.get("ep", 1), "ep")
     sizes = {
         k: getattr(config, k) for k in ("num_attention_heads", "num_key_value_heads", "shared_expert_intermediate_size")
