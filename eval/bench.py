@@ -32,7 +32,14 @@ and listed in the report; a point no architecture fits is an error. Links per me
 communication, each router pushed to the load its balance loss aims for (MoE++ at tau), tokens/s of
 each layer beside the first's: its own rows, in results.json under "expert_throughput".
 
-Nothing here names an architecture: how the bench shape becomes an architecture's config
+`sequence_parallel` (off by default; `bench_preset=sp`): the linear model's sequence parallelism over long
+sequences, per method (LASP-2 and LASP-1 on a linear layer, LASP-2H and ring attention on a softmax layer;
+parallel/sequence.py): bytes per layer vs N and P counted on the meta device beside the spec's formulas, and
+the simulated-link forward + backward time of one rank of a P-way fake process group (rank 0 and / or P-1),
+compute measured for real, each run replayed on every link preset; in results.json under "sequence_parallel".
+
+Apart from that section, which measures the linear model's algorithms by name, nothing here names an
+architecture: how the bench shape becomes an architecture's config
 (`bench_config`), which degrees fit it (`check_layout`) and what it sends (`collectives_per_forward`)
 come from its registry entry (models/<name>/entry.py and sharding.py).
 """

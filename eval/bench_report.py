@@ -188,6 +188,8 @@ def _degree_axis(rows: list[dict]) -> str:
 def make_plots(rows: list[dict], archs: list[str], baseline: str, out_dir: Path) -> dict[str, Path]:
     """Decode speed-up vs batch and vs degree (ranks), hidden fraction per architecture vs batch; one panel
     per variant (upper-bound variants are the reference, not plotted)."""
+    if not rows:  # only the sequence-parallel section ran
+        return {}
     variants = [v for v in dict.fromkeys(variant_key(r) for r in rows) if not v.startswith("upper_bound")]
     others = [a for a in archs if a != baseline]
 
@@ -331,6 +333,281 @@ def clock_note(rows: list[dict], baseline: str) -> str | None:
     )
 
 
+# --- sequence parallelism (linear model, long sequences) ---------------------------------------------
+
+
+def add_sp_comparisons(sp: dict, cfg: dict) -> None:
+    """Per (N, P, rank, link) where LASP-2 was timed, a `compare` row: each method's forward + backward ms and
+    exposed ms per layer, LASP-2's speed-up over each other = T_other / T_lasp2 - 1 (the paper's throughput
+    gain: the same tokens in less time), and over LASP-1 from the exposed communication alone
+    (T_lasp2 - exposed_lasp2 + exposed_lasp1) / T_lasp2 - 1: LASP-1 runs the same local compute, so this is
+    its schedule's cost without the compute-time noise between runs. `headline`: per rank and link, the
+    largest (N, P) where LASP-2, LASP-1 and ring attention all ran, beside the published anchors."""
+    methods = list(sp["methods"])
+    index = {(r["n"], r["p"], r["rank"], r["link"], r["method"]): r for r in sp["timed"]}
+    compare = []
+    for (n, p, rank, link, method), base in index.items():
+        if method != "lasp2":
+            continue
+        row = {"n": n, "p": p, "chunk": base["chunk"], "rank": rank, "link": link}
+        for m in methods:
+            other = index.get((n, p, rank, link, m))
+            row[f"{m}_ms"] = other["fwd_bwd_ms"] if other else None
+            row[f"{m}_exposed_ms"] = other["exposed_ms"] if other else None
+            row[f"{m}_link_ms"] = other["link_ms"] if other else None
+        lasp1, ring = index.get((n, p, rank, link, "lasp1")), index.get((n, p, rank, link, "ring"))
+        row["speedup_over_lasp1"] = lasp1["fwd_bwd_ms"] / base["fwd_bwd_ms"] - 1 if lasp1 else None
+        row["speedup_over_ring"] = ring["fwd_bwd_ms"] / base["fwd_bwd_ms"] - 1 if ring else None
+        row["comm_speedup_over_lasp1"] = (
+            (base["fwd_bwd_ms"] - base["exposed_ms"] + lasp1["exposed_ms"]) / base["fwd_bwd_ms"] - 1 if lasp1 else None
+        )
+        # The softmax layers of a hybrid: LASP-2H against ring attention, the same layer's compute.
+        lasp2h = index.get((n, p, rank, link, "lasp2h"))
+        row["lasp2h_speedup_over_ring"] = ring["fwd_bwd_ms"] / lasp2h["fwd_bwd_ms"] - 1 if ring and lasp2h else None
+        compare.append(row)
+    sp["compare"] = compare
+    anchor = (cfg.get("anchors") or {}).get("sp_speedup") or {}
+    headline = []
+    for rank in dict.fromkeys(r["rank"] for r in compare):
+        full = [r for r in compare if r["rank"] == rank and r.get("lasp1_ms") is not None and r.get("ring_ms") is not None]
+        if not full:
+            continue
+        n, p = max((r["n"], r["p"]) for r in full)
+        for r in full:
+            if (r["n"], r["p"]) == (n, p):
+                over = anchor.get("over") or {}
+                headline.append({**r, "anchor_over_lasp1": over.get("lasp1"), "anchor_over_ring": over.get("ring"),
+                                 "anchor_n": anchor.get("n"), "anchor_p": anchor.get("sp")})  # fmt: skip
+    sp["headline"] = headline
+
+
+def _percent(row: dict) -> dict:
+    """Speed-ups (and their published anchors) as signed percentages for the tables."""
+    return {k: f"{v:+.1%}" if ("speedup" in k or k.startswith("anchor_over")) and isinstance(v, float) else v
+            for k, v in row.items()}  # fmt: skip
+
+
+def _method_label(sp: dict, method: str) -> str:
+    return sp["methods"][method]["label"]
+
+
+SP_BYTES_NOTE = (
+    "Bytes per layer per rank that cross the link (what the rank receives; it sends as much), from "
+    "`comm.counters` over one forward + backward on the meta device (the real code path without values): an "
+    "all-gather's or reduce-scatter's counter holds the whole gathered tensor, of which (P-1)/P crosses; a ring "
+    "shift's holds what is sent. **formula**: the spec's (specs/linear.md): LASP-2 (P-1) B H d_k d_v per "
+    "all-gather (one forward, one backward; fp32 states); LASP-1 P-1 hops of one rank's B H d_k d_v states each "
+    "way; ring attention (P-1) B (N/P) 2 H_kv d_h forward, backward those shifts again plus P hops of each K/V "
+    "block's gradient accumulator (fp32); LASP-2H the same (P-1) B (N/P) 2 H_kv d_h in one all-gather of K and "
+    "V, and as many in the backward's reduce-scatter of dK, dV."
+)
+
+
+def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
+    """The README section of the sequence-parallel rows: bytes vs N and P, simulated time and exposure per
+    link, LASP-2's speed-ups beside the paper's."""
+    sp, cfg = results.get("sequence_parallel") or {}, results["settings"]
+    if not sp:
+        return []
+    s, shape = cfg["sequence_parallel"], cfg["bench_shape"]
+    methods = list(sp["methods"])
+    label = {m: _method_label(sp, m) for m in methods}
+    lines = [
+        "## Sequence parallelism: LASP-2 vs LASP-1 vs ring attention over long sequences",
+        "",
+        f"Linear-Llama at the `{shape['name']}` shape (hidden {shape['hidden_size']}, {shape['num_attention_heads']} "
+        f"heads of {shape['hidden_size'] // shape['num_attention_heads']}, {shape['num_key_value_heads']} KV head(s) "
+        f"in softmax layers, {shape['num_hidden_layers']} layer(s), batch {s['batch']}, dtype {results['dtype']}), "
+        "one process playing one rank of a P-way fake process group, collectives on the simulated link "
+        "(parallel/sequence.py through parallel.comm). Methods:",
+        "",
+    ]
+    lines += [f"- **{label[m]}** (`{m}`): {sp['methods'][m]['what']}." for m in methods]
+    lines += ["", "### Bytes per layer vs sequence length", "", SP_BYTES_NOTE, ""]
+    rows = sp["bytes"]
+    exact = sum(r["fwd_link_bytes"] == r["fwd_link_bytes_formula"] and r["bwd_link_bytes"] == r["bwd_link_bytes_formula"]
+                for r in rows)  # fmt: skip
+    lines += [f"Counted == formula, forward and backward: **{exact} of {len(rows)}** (N, P, method) rows.", ""]
+    by = {(r["n"], r["p"], r["method"]): r for r in rows}
+    points = sorted({(r["p"], r["n"]) for r in rows})
+    table = []
+    for p, n in points:
+        entry = {"p": p, "n": n, "chunk": n // p}
+        for m in methods:
+            r = by.get((n, p, m))
+            entry[f"{m}_fwd"] = r["fwd_link_bytes"] if r else None
+            entry[f"{m}_bwd"] = r["bwd_link_bytes"] if r else None
+        table.append(entry)
+    cols = [("p", "P"), ("n", "N"), ("chunk", "N/P")]
+    cols += [(f"{m}_{ph}", f"{label[m]} {ph}") for m in methods for ph in ("fwd", "bwd")]
+    lines += [report.write_markdown_table(table, cols)]
+    if "sp_bytes" in images:
+        lines += ["![sp_bytes](sp_bytes.png)", ""]
+    big = max(points, key=lambda pn: (pn[1], pn[0]))
+    paper = [by[(big[1], big[0], m)] for m in methods if (big[1], big[0], m) in by]
+    link_cols = [(f"link_ms:{link}", f"link ms, {link}") for link in s["links"]]
+    lines += [
+        f"Link time per layer per rank at N={big[1]:,}, P={big[0]} (forward + backward, the alpha-beta model of each "
+        "preset on the counted collectives, nothing hidden; on this link model LASP-2's all-gather costs what "
+        "LASP-1's P-1 hops cost, (P-1) (alpha + state / beta): LASP-2 wins by overlapping it, not by sending less):",
+        "",
+        report.write_markdown_table(
+            [{**r, "method": label[r["method"]]} for r in paper],
+            [("method", "method"), ("fwd_link_bytes", "bytes fwd"), ("bwd_link_bytes", "bytes bwd"), *link_cols],
+        ),
+    ]
+    # Timed rows.
+    lines += [
+        "### Simulated forward + backward time vs N and P",
+        "",
+        f"Per layer, on the virtual clock: this rank's compute measured for real on this machine "
+        f"({results['hardware'].get('gpu', results['hardware']['cpu'])}), each collective on the link preset, "
+        "**exposed** = the part of the link time the rank waited for. Ranks played: "
+        + ", ".join(f"`{r}` ({'0' if r == 'first' else 'P-1'})" for r in s["ranks"])
+        + ". A causal softmax layer costs rank r (r+1) blocks of attention: the last rank sets the step time, while "
+        "rank 0 computes one block and waits for ring attention's shifts with nothing left to compute (its ring "
+        "exposure is the worst case, its compute the least). Linear layers cost every rank the same. "
+        f"{s['warmup']} warm-up + {s['repeats']} repeats interleaved across methods (median); each run is recorded "
+        "once and replayed on every preset, so the presets see the same compute. **LASP-2 over X** = T_X / T_LASP-2 - 1 "
+        "(throughput gain; LASP-2H over ring: T_ring / T_LASP-2H - 1, the softmax layers of a hybrid); **over LASP-1, comm only** = (T_LASP-2 - exposed_LASP-2 + exposed_LASP-1) / "
+        "T_LASP-2 - 1: LASP-1's schedule on LASP-2's compute, free of the noise between runs.",
+        "",
+    ]
+    ms_cols = [(f"{m}_ms", f"{label[m]} ms") for m in methods] + [(f"{m}_exposed_ms", f"{label[m]} exposed") for m in methods]
+    cmp_cols = [("rank", "rank"), ("n", "N"), ("p", "P"), ("chunk", "N/P"), *ms_cols]
+    cmp_cols += [("speedup_over_lasp1", "LASP-2 over LASP-1"), ("comm_speedup_over_lasp1", "over LASP-1, comm only"),
+                 ("speedup_over_ring", "LASP-2 over ring"), ("lasp2h_speedup_over_ring", "LASP-2H over ring")]  # fmt: skip
+    for link in s["links"]:
+        sel = sorted((r for r in sp["compare"] if r["link"] == link), key=lambda r: (r["rank"], r["n"], r["p"]))
+        lines += [f"#### {link}", "", report.write_markdown_table([_percent(r) for r in sel], cmp_cols)]
+    for name in ("sp_time", "sp_exposed"):
+        if name in images:
+            lines += [f"![{name}]({name}.png)", ""]
+    # Headline beside the paper.
+    if sp.get("headline"):
+        h0 = sp["headline"][0]
+        lines += [
+            "### LASP-2's speed-up at the largest point, beside the paper",
+            "",
+            f"Published (LASP-2 paper, Linear-Llama3 on {h0['anchor_p']} GPUs at {h0['anchor_n']:,} tokens): "
+            f"**{h0['anchor_over_lasp1']:+.1%} over LASP-1, {h0['anchor_over_ring']:+.1%} over ring attention** "
+            "(throughput).",
+            "",
+            report.write_markdown_table(
+                [_percent(h) for h in sp["headline"]],
+                [("rank", "rank"), ("link", "link"), ("n", "N"), ("p", "P"), ("speedup_over_lasp1", "over LASP-1"),
+                 ("comm_speedup_over_lasp1", "over LASP-1, comm only"), ("anchor_over_lasp1", "published"),
+                 ("speedup_over_ring", "over ring"), ("anchor_over_ring", "published"),
+                 ("lasp2_exposed_ms", "LASP-2 exposed ms"), ("lasp1_exposed_ms", "LASP-1 exposed ms"),
+                 ("ring_exposed_ms", "ring exposed ms"), ("lasp2_ms", "LASP-2 ms")],
+            ),  # fmt: skip
+            "> Only the communication side is comparable with the paper. Our compute is this machine's at a small "
+            "shape: a layer's forward + backward here takes orders of magnitude longer than its link time on any "
+            "preset, so every schedule hides almost everything and the measured speed-ups are compute and noise "
+            "(a shared CPU), not communication; against ring attention they also compare a softmax layer's compute "
+            "with a linear layer's. What carries over is the exposed communication per layer (and the bytes and "
+            "link times above) and how it grows with P and N. Paper-scale compute comes with the device-model "
+            "simulator (DESIGN.md, \"Measuring speed honestly\", item 4), a later issue.",
+            "",
+        ]
+    if sp.get("skipped"):
+        lines += ["Not timed (the bytes above cover every point):", ""] + [f"- {x}" for x in sp["skipped"]] + [""]
+    return lines
+
+
+def _plot_panels(path: Path, panels: list[tuple[str, dict]], *, xlabel: str, ylabel: str, logy: bool, ncols: int,
+                 title: str = "") -> Path:  # fmt: skip
+    """Panels of lines on log2 x (and log y if asked); a series whose label ends in '(formula)' is dotted."""
+    plt = report._pyplot()
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (panel_title, series) in zip(axes.flat, panels, strict=False):
+        for name, (xs, ys) in series.items():
+            points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None and (y > 0 or not logy)]
+            if not points:
+                continue
+            if name.endswith("(formula)"):
+                ax.plot(*zip(*points, strict=True), linestyle=":", color="black", linewidth=1, label=name)
+            else:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
+    """sp_bytes: link bytes per layer vs N (counted and formula) at the smallest and largest P; sp_time:
+    forward + backward ms per layer vs N (largest P) and vs P (largest N) per rank played, first preset;
+    sp_exposed: exposed ms per layer vs P at the largest N, one panel per preset."""
+    sp = results.get("sequence_parallel") or {}
+    if not sp:
+        return {}
+    s = results["settings"]["sequence_parallel"]
+    methods, images = list(sp["methods"]), {}
+    label = {m: _method_label(sp, m) for m in methods}
+    grid = [r for r in sp["bytes"] if r["n"] in s["bytes"]["lengths"] and r["p"] in s["bytes"]["sp"]]
+    if grid:
+        panels = []
+        for p in sorted({min(r["p"] for r in grid), max(r["p"] for r in grid)}):
+            series = {}
+            for m in methods:
+                sel = sorted((r["n"], r["link_bytes"], r["link_bytes_formula"]) for r in grid if r["p"] == p and r["method"] == m)
+                series[label[m]] = ([n for n, _, _ in sel], [b for _, b, _ in sel])
+                series[f"{label[m]} (formula)"] = ([n for n, _, _ in sel], [f for _, _, f in sel])
+            panels.append((f"P={p}", series))
+        images["sp_bytes"] = _plot_panels(
+            out_dir / "sp_bytes.png", panels, xlabel="sequence length N", ylabel="bytes per layer per rank (fwd + bwd)",
+            logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the spec's formula",
+        )  # fmt: skip
+    timed = sp["timed"]
+    if timed:
+        first_link = s["links"][0]
+        big_n, big_p = max(r["n"] for r in timed), max(r["p"] for r in timed)
+        panels = []
+        for rank in s["ranks"]:
+            for axis, fixed in (("n", ("p", big_p)), ("p", ("n", big_n))):
+                series = {}
+                for m in methods:
+                    sel = sorted((r[axis], r["fwd_bwd_ms"]) for r in timed if r["link"] == first_link and r["rank"] == rank
+                                 and r["method"] == m and r[fixed[0]] == fixed[1])  # fmt: skip
+                    if sel:
+                        series[label[m]] = ([x for x, _ in sel], [y for _, y in sel])
+                panels.append((f"rank {rank}, {fixed[0].upper()}={fixed[1]}, {first_link}", series))
+        images["sp_time"] = _plot_panels(
+            out_dir / "sp_time.png", panels, xlabel="N (left) / P (right)", ylabel="fwd + bwd ms per layer (virtual clock)",
+            logy=True, ncols=2, title="simulated-link time of one rank: this machine's compute + exposed communication",
+        )  # fmt: skip
+        panels = []
+        for link in s["links"]:
+            series = {}
+            for m in methods:
+                for rank in s["ranks"]:
+                    sel = sorted((r["p"], r["exposed_ms"]) for r in timed if r["link"] == link and r["rank"] == rank
+                                 and r["method"] == m and r["n"] == big_n)  # fmt: skip
+                    if sel:
+                        series[f"{label[m]} ({rank})"] = ([x for x, _ in sel], [y for _, y in sel])
+            panels.append((f"{link}, N={big_n}", series))
+        images["sp_exposed"] = _plot_panels(
+            out_dir / "sp_exposed.png", panels, xlabel="sp degree P", ylabel="exposed communication ms per layer",
+            logy=False, ncols=len(panels), title="communication left exposed (fwd + bwd), by rank played",
+        )  # fmt: skip
+    return images
+
+
 # --- files and W&B ------------------------------------------------------------------------------
 
 
@@ -344,6 +621,46 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         "",
         f"`{results['command'] or 'eval.bench.run_bench(...)'}`",
         "",
+    ]
+    if rows:
+        lines += generation_intro(results, points)
+    else:  # only the sequence-parallel section ran
+        lines += [
+            f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
+            f"{hw['load_average_1m']:.2f} at start, {hw['torch_threads']} torch threads), torch {hw['torch']}, "
+            f"transformers {hw['transformers']}. Elapsed {results['elapsed_s']:.0f} s.",
+            "",
+        ]
+    for note in results["notes"]:
+        lines.append(f"> {note}")
+        lines.append("")
+    for v in dict.fromkeys(variant_key(r) for r in rows):
+        sel = [r for r in rows if variant_key(r) == v]
+        cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
+        lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
+    lines += moe_sections(results, images)
+    lines += sp_section(results, images)
+    lines += ["## Link presets", ""]
+    lines.append(
+        report.write_markdown_table(
+            results["links"], [("name", "preset"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
+        )
+    )
+    for name, path in images.items():
+        if name not in MOE_PLOTS + SP_PLOTS:  # shown in their own sections
+            lines += [f"![{name}]({path.name})", ""]
+    if results["skipped"]:
+        lines += ["## Skipped", "", "Architectures whose layout refuses a degree point are not measured there:", ""]
+        lines += [f"- {s}" for s in results["skipped"]] + [""]
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def generation_intro(results: dict, points: str) -> list[str]:
+    """What the generation bench's rows are: settings, hardware, the columns."""
+    cfg, hw = results["settings"], results["hardware"]
+    return [
         f"Architectures {', '.join(cfg['archs'])} (baseline `{cfg['baseline']}`), degrees {points}, "
         f"batch {cfg['batch_sizes']}, prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} generated "
         f"({cfg['new_tokens'] - 1} decode steps), {cfg['warmup']} warm-up + {cfg['repeats']} timed repeats "
@@ -367,32 +684,10 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
         "",
     ]
-    for note in results["notes"]:
-        lines.append(f"> {note}")
-        lines.append("")
-    for v in dict.fromkeys(variant_key(r) for r in rows):
-        sel = [r for r in rows if variant_key(r) == v]
-        cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
-        lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
-    lines += moe_sections(results, images)
-    lines += ["## Link presets", ""]
-    lines.append(
-        report.write_markdown_table(
-            results["links"], [("name", "preset"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
-        )
-    )
-    for name, path in images.items():
-        if name not in MOE_PLOTS:  # shown in their own sections
-            lines += [f"![{name}]({path.name})", ""]
-    if results["skipped"]:
-        lines += ["## Skipped", "", "Architectures whose layout refuses a degree point are not measured there:", ""]
-        lines += [f"- {s}" for s in results["skipped"]] + [""]
-    path = out_dir / "README.md"
-    path.write_text("\n".join(lines))
-    return path
 
 
 MOE_PLOTS = ("a2a_exposed", "expert_throughput")
+SP_PLOTS = ("sp_bytes", "sp_time", "sp_exposed")
 
 
 def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
@@ -458,6 +753,7 @@ def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
     images = make_plots(results["rows"], list(cfg["archs"]), cfg["baseline"], out_dir)
     if results.get("expert_throughput"):
         images["expert_throughput"] = plot_expert_throughput(results["expert_throughput"], out_dir)
+    images.update(sp_plots(results, out_dir))
     write_readme(results, images, out_dir)
     return images
 
@@ -476,6 +772,10 @@ def log_to_wandb(results: dict, images: dict[str, Path], out_dir: Path, wandb_cf
     for e in results.get("expert_throughput") or []:
         summary[f"expert_throughput/{e['label']}/tokens_per_s"] = e["tokens_per_s"]
         summary[f"expert_throughput/{e['label']}/speedup"] = e["speedup"]
+    for h in (results.get("sequence_parallel") or {}).get("headline") or []:
+        key = f"sequence_parallel/{h['rank']}/{h['link']}/N{h['n']}-P{h['p']}"
+        for m in ("speedup_over_lasp1", "comm_speedup_over_lasp1", "speedup_over_ring", "lasp2_exposed_ms", "lasp1_exposed_ms"):
+            summary[f"{key}/{m}"] = h.get(m)
     report.log_to_wandb(
         out_dir,
         project=wandb_cfg.get("project", "overlap-zoo"),

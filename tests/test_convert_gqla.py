@@ -27,13 +27,19 @@ def tiny_llama(kv_heads: int, seed: int = 0) -> ZooLlamaForCausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "self_attn" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, 0.1)
     return model
 
 
 def batches(n: int = 4, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=g) for _ in range(n)]
+
+
+@torch.no_grad()
+def mean_squared_logit_error(source, converted) -> float:
+    ids = torch.cat(batches(2, seed=7))
+    return ((source(input_ids=ids).logits - converted(input_ids=ids).logits) ** 2).mean().item()
 
 
 @torch.no_grad()
@@ -60,12 +66,14 @@ def test_one_kv_head_all_rope_full_rank_is_exact(path):
 def test_error_falls_as_rank_grows():
     source = tiny_llama(kv_heads=2)
     covs = calibrate(source, batches())
+    # RoPE kept on 4 of 8 dims: full rank 2 x (4 + 8) = 24; the floor left there is RoRoPE's (dropped residual
+    # keys, nope dims without RoPE), the rest is the latent's truncation.
     errors = [
-        max_logit_error(source, convert_model(source, covs, kv_lora_rank=r, qk_rope_head_dim=8))
-        for r in (4, 8, 16, 24, 32)
+        mean_squared_logit_error(source, convert_model(source, covs, kv_lora_rank=r, qk_rope_head_dim=4))
+        for r in (4, 8, 12, 16, 20, 24)
     ]
-    assert all(b <= a + 1e-9 for a, b in zip(errors, errors[1:])), errors
-    assert errors[-1] < errors[0] / 2, errors
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < errors[0] / 10, errors
 
 
 def test_rank_above_full_is_one_clear_error(tmp_path):

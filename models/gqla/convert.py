@@ -301,3 +301,22 @@ LLAMA_TO_GQLA = Converter(
     check=check_options,
     summary=summary,
 )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m models.gqla.convert SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8]`: the rank sweep."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("source")
+    parser.add_argument("out_dir")
+    parser.add_argument("--ranks", type=int, nargs="+", required=True)
+    parser.add_argument("--rope-dim", type=int, default=None)
+    parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
+    parser.add_argument("--val-batches", type=int, default=8)
+    args = parser.parse_args(argv)
+    rank_sweep(args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches)
+
+
+if __name__ == "__main__":
+    main()
