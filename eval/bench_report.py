@@ -551,8 +551,8 @@ def _plot_panels(path: Path, panels: list[tuple[str, dict]], *, xlabel: str, yla
 
 def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
     """sp_bytes: link bytes per layer vs N (counted and formula) at the smallest and largest P; sp_time:
-    forward + backward ms per layer vs N (largest P) and vs P (largest N) per rank played, first preset;
-    sp_exposed: exposed ms per layer vs P at the largest N, one panel per preset."""
+    forward + backward ms per layer vs N (largest P) and vs P (the N timed at the most degrees) per rank
+    played, first preset; sp_exposed: exposed ms per layer vs P at that N, one panel per preset."""
     sp = results.get("sequence_parallel") or {}
     if not sp:
         return {}
@@ -576,7 +576,10 @@ def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
     timed = sp["timed"]
     if timed:
         first_link = s["links"][0]
-        big_n, big_p = max(r["n"] for r in timed), max(r["p"] for r in timed)
+        # Across P: the N timed at the most degrees (the largest such N); across N: the largest P.
+        degrees_at = {n: len({r["p"] for r in timed if r["n"] == n}) for n in {r["n"] for r in timed}}
+        big_n = max(degrees_at, key=lambda n: (degrees_at[n], n))
+        big_p = max(r["p"] for r in timed)
         panels = []
         for rank in s["ranks"]:
             for axis, fixed in (("n", ("p", big_p)), ("p", ("n", big_n))):

@@ -55,7 +55,9 @@ def target_config(source_config: ZooLlamaConfig, kv_lora_rank: int | None, qk_ro
         raise ValueError("TransGQLA converts Llamas without attention biases (attention_bias=False).")
     rope_type = (source_config.rope_parameters or {}).get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"TransGQLA keeps the source's RoPE frequencies only for rope_type='default', not {rope_type!r}.")
+        raise ValueError(
+            f"TransGQLA keeps the source's RoPE frequencies only for rope_type='default', not {rope_type!r}."
+        )
     if not isinstance(d_r, int) or d_r < 2 or d_r % 2 or hd % d_r:
         raise ValueError(
             f"qk_rope_head_dim={d_r} must be an even divisor of head_dim={hd}: GQLA's RoPE frequencies "
@@ -85,7 +87,9 @@ def target_config(source_config: ZooLlamaConfig, kv_lora_rank: int | None, qk_ro
 def calibrate(model: ZooLlamaForCausalLM, batches) -> list[torch.Tensor]:
     """Per layer, the second moment E[x x^T] (fp64, [d, d]) of the attention input over `batches` of ids."""
     layers = model.model.layers
-    sums = [torch.zeros(model.config.hidden_size, model.config.hidden_size, dtype=torch.float64) for _ in layers]
+    sums = [
+        torch.zeros(model.config.hidden_size, model.config.hidden_size, dtype=torch.float64) for _ in layers
+    ]
     counts = [0] * len(layers)
     hooks = []
     for i, layer in enumerate(layers):
@@ -172,11 +176,15 @@ def convert_model(
         u_full = torch.cat([u, u])  # [d_r, G]: coefficient of each rope dim per group
         # 2. Balance K_nope and V.
         k_nope = wk[:, nope_dims]  # [G, d_nope, d]
-        def energy(w):
-            return torch.einsum("nd,de,ne->", w.reshape(-1, d), cov, w.reshape(-1, d)).clamp_min(1e-30)
+
+        def energy(w, cov=cov):
+            """Mean squared activation of the rows of w [.., d] under the covariance."""
+            w = w.reshape(-1, d)
+            return torch.einsum("nd,de,ne->", w, cov, w).clamp_min(1e-30) / w.shape[0]
+
         alpha = 1.0
         if d_nope:
-            alpha = float((energy(k_nope) / k_nope[:, :, 0].numel() / (energy(wv) / wv[:, :, 0].numel())).sqrt())
+            alpha = float((energy(k_nope) / energy(wv)).sqrt())
         # 3. Joint low-rank factorisation of [K_nope / alpha ; V] per group.
         w = torch.cat([k_nope / alpha, wv], dim=1).reshape(-1, d)  # [G (d_nope + hd), d]
         _, vecs = torch.linalg.eigh(w @ cov @ w.T)
@@ -196,7 +204,9 @@ def convert_model(
     missing = set(own) - set(new_state)
     extra = set(new_state) - set(own)
     if missing or extra:
-        raise RuntimeError(f"TransGQLA mapping bug: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}.")
+        raise RuntimeError(
+            f"TransGQLA mapping bug: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}."
+        )
     target.load_state_dict({k: v.to(own[k].dtype) for k, v in new_state.items()})
     return target.to(model.dtype)
 
@@ -220,7 +230,9 @@ def llama_to_gqla(
 
 def check_options(source, kv_lora_rank=None, qk_rope_head_dim=None, calibration_batches=None) -> None:
     """One clear error for options that do not fit the checkpoint, from its config alone."""
-    if calibration_batches is not None and (not isinstance(calibration_batches, int) or calibration_batches < 1):
+    if calibration_batches is not None and (
+        not isinstance(calibration_batches, int) or calibration_batches < 1
+    ):
         raise ValueError(f"calibration_batches={calibration_batches!r} must be a positive integer.")
     target_config(ZooLlamaConfig.from_pretrained(source), kv_lora_rank, qk_rope_head_dim)
 
@@ -271,7 +283,9 @@ def rank_sweep(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r["kv_lora_rank"] for r in rows], [r["val_loss"] for r in rows], "o-", label="GQLA, no retraining")
+    ax.plot(
+        [r["kv_lora_rank"] for r in rows], [r["val_loss"] for r in rows], "o-", label="GQLA, no retraining"
+    )
     ax.axhline(base, color="gray", ls="--", label="source Llama")
     ax.set_xlabel("kv_lora_rank d_c")
     ax.set_ylabel("validation loss")
@@ -315,7 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
     parser.add_argument("--val-batches", type=int, default=8)
     args = parser.parse_args(argv)
-    rank_sweep(args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches)
+    rank_sweep(
+        args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches
+    )
 
 
 if __name__ == "__main__":
