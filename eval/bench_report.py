@@ -467,7 +467,8 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
         + ". A causal softmax layer costs rank r (r+1) blocks of attention: the last rank sets the step time, while "
         "rank 0 computes one block and waits for ring attention's shifts with nothing left to compute (its ring "
         "exposure is the worst case, its compute the least). Linear layers cost every rank the same. "
-        f"{s['warmup']} warm-up + {s['repeats']} repeats interleaved across methods (median); each run is recorded "
+        f"{s['warmup']} warm-up + {s['repeats']} repeats interleaved across methods (median; min-max per row in "
+        "results.json, `fwd_bwd_ms_min` / `_max`); each run is recorded "
         "once and replayed on every preset, so the presets see the same compute. **LASP-2 over X** = T_X / T_LASP-2 - 1 "
         "(throughput gain; LASP-2H over ring: T_ring / T_LASP-2H - 1, the softmax layers of a hybrid); **over LASP-1, comm only** = (T_LASP-2 - exposed_LASP-2 + exposed_LASP-1) / "
         "T_LASP-2 - 1: LASP-1's schedule on LASP-2's compute, free of the noise between runs.",
@@ -506,7 +507,9 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
             "preset, so every schedule hides almost everything and the measured speed-ups are compute and noise "
             "(a shared CPU), not communication; against ring attention they also compare a softmax layer's compute "
             "with a linear layer's. What carries over is the exposed communication per layer (and the bytes and "
-            "link times above) and how it grows with P and N. Paper-scale compute comes with the device-model "
+            "link times above) and how it grows with P and N. At small chunks LASP-1 also pays on the compute side: "
+            "each of its 2 (P-1) serial hops is a call of its own (Python here, a kernel launch and a NCCL call on "
+            "GPUs), which the clock counts as compute. Paper-scale compute comes with the device-model "
             "simulator (DESIGN.md, \"Measuring speed honestly\", item 4), a later issue.",
             "",
         ]

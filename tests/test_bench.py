@@ -372,7 +372,7 @@ def test_sp_section_is_off_by_default_and_the_preset_runs_only_it():
 
 
 def test_sp_settings_fail_fast():
-    with pytest.raises(ValueError, match=r"N=100 does not split over P=64 ranks"):
+    with pytest.raises(ValueError, match=r"N=100 does not split over P=16 ranks"):
         check_settings(bench_settings("bench_preset=sp", "sequence_parallel.lengths=[100]"))
     with pytest.raises(ValueError, match=r"sequence_parallel.methods \['ulysses'\] must name some of"):
         check_settings(bench_settings("bench_preset=sp", "sequence_parallel.methods=[ulysses]"))
