@@ -646,6 +646,7 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
     lines += moe_sections(results, images)
     lines += sp_section(results, images)
+    lines += decode_paths_section(results, images)
     lines += ["## Link presets", ""]
     lines.append(
         report.write_markdown_table(
@@ -653,7 +654,7 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
         )
     )
     for name, path in images.items():
-        if name not in MOE_PLOTS + SP_PLOTS:  # shown in their own sections
+        if name not in MOE_PLOTS + SP_PLOTS + DECODE_PATH_PLOTS:  # shown in their own sections
             lines += [f"![{name}]({path.name})", ""]
     if results["skipped"]:
         lines += ["## Skipped", "", "Architectures whose layout refuses a degree point are not measured there:", ""]
@@ -752,6 +753,74 @@ def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
     return lines
 
 
+# --- decode paths (one device) ---------------------------------------------------------------------
+
+DECODE_PATH_COLUMNS = [
+    ("label", "arch (path)"),
+    ("batch", "batch"),
+    ("q_len", "q len"),
+    ("decode_ms_per_step", "ms/step"),
+    ("decode_tok_s", "decode tok/s"),
+    ("tok_s_spread", "tok/s min-max"),
+    ("speedup_decode", "over baseline"),
+    ("kv_bytes_per_token", "KV bytes/token/layer"),
+    ("kv_percent", "KV of baseline's"),
+]
+ACCOUNTING_COLUMNS = [("label", "arch (path)"), ("kv_bytes_per_token", "KV bytes/token/layer"), ("kv_percent", "KV of baseline's")]
+DECODE_PATH_PLOTS = ("decode_paths",)
+
+
+def path_label(row: dict) -> str:
+    """`arch` or `arch (path)` for an architecture measured on several decode paths."""
+    return row["arch"] if row.get("path") is None else f"{row['arch']} ({row['path']})"
+
+
+def plot_decode_paths(paths: dict, out_dir: Path) -> Path:
+    """Decode tokens/s vs batch size, one panel per query length, one line per architecture and path."""
+    rows, panels = paths["rows"], []
+    for q_len in dict.fromkeys(r["q_len"] for r in rows):
+        series = {}
+        for r in (r for r in rows if r["q_len"] == q_len):
+            xs, ys = series.setdefault(path_label(r), ([], []))
+            xs.append(r["batch"])
+            ys.append(r["decode_tok_s"])
+        panels.append((f"query length {q_len}", series))
+    return _plot_panels(out_dir / "decode_paths.png", panels, xlabel="batch", ylabel="decode tokens/s", logy=True,
+                        ncols=len(panels), title="one device, measured")  # fmt: skip
+
+
+def decode_paths_section(results: dict, images: dict[str, Path]) -> list[str]:
+    paths = results.get("decode_paths") or {}
+    if not paths.get("rows"):
+        return []
+    cfg = results["settings"]
+    dp = cfg["decode_paths"]
+    shown = [{**r, "label": path_label(r), "kv_percent": f"{100 * r['kv_fraction']:.3f}%", "tok_s_spread": f"{r['decode_tok_s_min']:.4g}-{r['decode_tok_s_max']:.4g}"}
+             for r in paths["rows"]]  # fmt: skip
+    lines = [
+        "## Decode paths (one device, measured)",
+        "",
+        f"Each architecture on each of its decode paths (`decode_paths.paths`; the same weights on every path), on "
+        f"one device with no mesh: a {cfg['prompt_len']}-token prompt (not timed), then {dp['steps']} decode steps of "
+        f"`q len` new tokens each with the cache, timed for real in {paths['dtype']}: {dp['warmup']} warm-up + "
+        f"{dp['repeats']} repeats interleaved across models (median, min-max). **over baseline** = tokens/s over "
+        f"`{cfg['baseline']}` at the same batch and query length. **KV bytes/token/layer** = the model's own "
+        "`kv_bytes_per_token` where it has one, else 2 x KV heads x head_dim values.",
+        "",
+        report.write_markdown_table(shown, DECODE_PATH_COLUMNS),
+    ]
+    if paths.get("accounting"):
+        acc = [{**a, "label": path_label(a), "kv_percent": f"{100 * a['kv_fraction']:.3f}%"} for a in paths["accounting"]]
+        lines += [
+            f"KV accounting at the {acc[0]['shape']} shape ({acc[0]['dtype']}, from the configs alone, nothing built):",
+            "",
+            report.write_markdown_table(acc, ACCOUNTING_COLUMNS),
+        ]
+    if "decode_paths" in images:
+        lines += ["![decode_paths](decode_paths.png)", ""]
+    return lines
+
+
 def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
     """results.json, the plots and README.md under `out_dir`; returns the plots {name: path}."""
     report.write_json(out_dir / "results.json", results)
@@ -760,6 +829,8 @@ def write_files(results: dict, out_dir: Path) -> dict[str, Path]:
     if results.get("expert_throughput"):
         images["expert_throughput"] = plot_expert_throughput(results["expert_throughput"], out_dir)
     images.update(sp_plots(results, out_dir))
+    if (results.get("decode_paths") or {}).get("rows"):
+        images["decode_paths"] = plot_decode_paths(results["decode_paths"], out_dir)
     write_readme(results, images, out_dir)
     return images
 
@@ -778,6 +849,10 @@ def log_to_wandb(results: dict, images: dict[str, Path], out_dir: Path, wandb_cf
     for e in results.get("expert_throughput") or []:
         summary[f"expert_throughput/{e['label']}/tokens_per_s"] = e["tokens_per_s"]
         summary[f"expert_throughput/{e['label']}/speedup"] = e["speedup"]
+    for r in (results.get("decode_paths") or {}).get("rows") or []:
+        key = f"decode_paths/{r['arch']}/{r['path'] or 'default'}/b{r['batch']}/q{r['q_len']}"
+        summary[f"{key}/decode_tok_s"] = r["decode_tok_s"]
+        summary[f"{key}/kv_bytes_per_token"] = r["kv_bytes_per_token"]
     for h in (results.get("sequence_parallel") or {}).get("headline") or []:
         key = f"sequence_parallel/{h['rank']}/{h['link']}/N{h['n']}-P{h['p']}"
         for m in ("speedup_over_lasp1", "comm_speedup_over_lasp1", "speedup_over_ring", "lasp2_exposed_ms", "lasp1_exposed_ms"):

@@ -1,6 +1,6 @@
 """The zoo tour: train, convert, evaluate and bench every architecture, then write one report.
 
-    python -m eval.tour                          # what `make demo` runs (about 12 minutes on 2 CPU cores)
+    python -m eval.tour                          # what `make demo` runs (about 11 minutes on 2 CPU cores)
     python -m eval.tour report_dir=reports/demo  # ... and rewrite the committed example report
 
 Each step is the zoo's own entry point called in-process with its Hydra config (pretrain, convert,
