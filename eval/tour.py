@@ -293,11 +293,14 @@ def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapse
         f"Each architecture: the tiny config (`conf/model/<arch>.yaml`), trained with "
         f"`{' '.join(cfg.pretrain_overrides)}` on the bundled corpus; evaluated on the held-out plays. "
         "**params** counts every parameter, **active params** those one token's forward uses (the configs' "
-        "`num_active_parameters_formula()`: all but the experts a token is not routed to; for MoE++ an upper "
-        "bound, two FFN experts, since a token routed to a zero-computation expert runs one or none). The MoE "
-        "configs are sized for equal ACTIVE parameters: each token uses as many as in llama (within 0.5%: "
-        "moe top-2 of 4 experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp top-2 of "
-        "4 FFN + 4 zero-computation experts), with about 30% more parameters in all (the experts).",
+        "`num_active_parameters_formula()`: all but the experts a token is not routed to). The MoE configs are "
+        "sized for equal ACTIVE parameters: each token can use as many as in llama (within 0.5%: moe top-2 of 4 "
+        "experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp top-2 of 4 FFN + 4 "
+        "zero-computation experts), with about 30% more parameters in all (the experts). For MoE++ that count "
+        "is an upper bound, two FFN experts per token: a token routed to a zero-computation expert runs one or "
+        "none, and at the load its balance loss aims for a token runs k_eff = 2 tau N_FFN / (tau N_FFN + N_ZC) "
+        "FFN experts on average (0.86 with conf/model/moepp.yaml's 4 FFN + 4 zero-computation experts at tau "
+        "0.75, against moe's 2): less compute per token on average, by design.",
         "",
         report.write_markdown_table(q_rows, list(q_rows[0])),
         "",
