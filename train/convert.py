@@ -10,7 +10,8 @@
 - `llama_to_moe`, `llama_to_scmoe`: sparse upcycling, every expert a copy of its layer's dense MLP and a
   fresh router (options `num_local_experts`, `num_experts_per_tok`, and `moe_layer_freq` / `shortcut_position`,
   `router_aux_loss_coef`; unset ones take the target config's default). See models/moe/convert.py and
-  models/scmoe/convert.py.
+  models/scmoe/convert.py;
+- `llama_to_gqla`: TransGQLA (models/gqla/convert.py).
 The converter states which checkpoints it reads, which options it takes (top-level keys of this app's
 config, conf/convert.yaml: an option of another converter is refused) and what it checks; this app checks
 that the source is a saved checkpoint of one of those kinds, converts (seeded by `seed`: fresh weights
