@@ -88,7 +88,9 @@ class ConstantExperts(nn.Module):
         scores = x @ self.weight.flatten(0, 1).T  # [A, 2n]: every constant expert's W_c x, cheap at small n
         scores = scores.view(x.shape[0], self.constant.shape[0], 2)[torch.arange(x.shape[0], device=x.device), expert]
         a = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        return a[:, :1] * x + a[:, 1:] * self.constant[expert]
+        # F.embedding, not self.constant[expert]: the backward of that index sums thousands of rows into n
+        # rows with a multithreaded CPU kernel whose order varies from run to run; embedding's does not.
+        return a[:, :1] * x + a[:, 1:] * F.embedding(expert, self.constant)
 
 
 # --- the layer -----------------------------------------------------------------------------------------
