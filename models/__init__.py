@@ -2,32 +2,17 @@
 
 from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
-from models.gqla import entry as gqla_entry
-from models.gqla import sharding as gqla_sharding
 from models.gqla.convert import LLAMA_TO_GQLA
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
-from models.kraken import entry as kraken_entry
-from models.kraken import sharding as kraken_sharding
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
-from models.ladder import entry as ladder_entry
-from models.ladder import sharding as ladder_sharding
 from models.ladder.convert import LLAMA_TO_LADDER
 from models.linear import ZooLinearConfig, ZooLinearForCausalLM, ZooLinearModel
 from models.linear import entry as linear_entry
-from models.linear import sharding as linear_sharding
 from models.llama import ZooLlamaConfig, ZooLlamaForCausalLM, ZooLlamaModel
-from models.llama import entry as llama_entry
-from models.llama import sharding as llama_sharding
 from models.moe import ZooMoeConfig, ZooMoeForCausalLM, ZooMoeModel
-from models.moe import entry as moe_entry
-from models.moe import sharding as moe_sharding
 from models.moe.convert import LLAMA_TO_MOE
 from models.moepp import ZooMoeppConfig, ZooMoeppForCausalLM, ZooMoeppModel
-from models.moepp import entry as moepp_entry
-from models.moepp import sharding as moepp_sharding
 from models.parallel_block import ZooParallelConfig, ZooParallelForCausalLM, ZooParallelModel
-from models.parallel_block import entry as parallel_entry
-from models.parallel_block import sharding as parallel_sharding
 from models.registry import (
     CONVERTERS,
     ZOO,
@@ -42,8 +27,6 @@ from models.registry import (
     register_converter,
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
-from models.scmoe import entry as scmoe_entry
-from models.scmoe import sharding as scmoe_sharding
 from models.scmoe.convert import LLAMA_TO_SCMOE
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
@@ -58,16 +41,14 @@ TINY_LLAMA = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
-# Each architecture's facts for shared code come from its own folder: sharding.py and entry.py.
+# Each architecture's facts for shared code come from its own folder (sharding.py, entry.py), read by
+# `register` (models/registry.py `folder_hooks`).
 register(
     "llama",
     ZooLlamaConfig,
     ZooLlamaForCausalLM,
     ZooLlamaModel,
     tiny_config=TINY_LLAMA,
-    sharding=llama_sharding,
-    bench_config=llama_entry.bench_config,
-    collectives_per_forward=llama_entry.collectives_per_forward,
 )
 register(
     "parallel",
@@ -75,9 +56,6 @@ register(
     ZooParallelForCausalLM,
     ZooParallelModel,
     tiny_config=TINY_LLAMA,
-    sharding=parallel_sharding,
-    bench_config=parallel_entry.bench_config,
-    collectives_per_forward=parallel_entry.collectives_per_forward,
 )
 # Tiny ladder: the paper's hybrid, the upper half of the layers laddered.
 register(
@@ -86,9 +64,6 @@ register(
     ZooLadderForCausalLM,
     ZooLadderModel,
     tiny_config={**TINY_LLAMA, "ladder_layers": 2},
-    sharding=ladder_sharding,
-    bench_config=ladder_entry.bench_config,
-    collectives_per_forward=ladder_entry.collectives_per_forward,
 )
 # Tiny Kraken: two streams, each of the tiny llama's layer shapes (so TP 2 fits; `tiny_at({"tp": P})` has P).
 register(
@@ -97,10 +72,6 @@ register(
     ZooKrakenForCausalLM,
     ZooKrakenModel,
     tiny_config={**TINY_LLAMA, "kraken_degree": 2},
-    sharding=kraken_sharding,
-    fit_degrees=kraken_entry.fit_degrees,
-    bench_config=kraken_entry.bench_config,
-    collectives_per_forward=kraken_entry.collectives_per_forward,
 )
 # Tiny MoE: 4 experts of the tiny llama's MLP width, top-2, in every other layer (GShard / Switch, and the
 # dense + MoE pairs ScMoE compares against).
@@ -110,9 +81,6 @@ register(
     ZooMoeForCausalLM,
     ZooMoeModel,
     tiny_config={**TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": 2},
-    sharding=moe_sharding,
-    bench_config=moe_entry.bench_config,
-    collectives_per_forward=moe_entry.collectives_per_forward,
 )
 
 # Tiny ScMoE: two (dense, MoE) pairs (Position 2), 4 routed experts top-1 plus a shared expert, each of the
@@ -123,9 +91,6 @@ register(
     ZooScMoeForCausalLM,
     ZooScMoeModel,
     tiny_config={**TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 1},
-    sharding=scmoe_sharding,
-    bench_config=scmoe_entry.bench_config,
-    collectives_per_forward=scmoe_entry.collectives_per_forward,
 )
 # Tiny MoE++: every layer 4 FFN experts (the tiny moe's) + 1 zero, 1 copy and 2 constant experts, top-2.
 register(
@@ -141,9 +106,6 @@ register(
         "num_constant_experts": 2,
         "num_experts_per_tok": 2,
     },
-    sharding=moepp_sharding,
-    bench_config=moepp_entry.bench_config,
-    collectives_per_forward=moepp_entry.collectives_per_forward,
 )
 
 # Tiny Linear-Llama: linear attention in every layer (no decay), and the LASP-2 paper's hybrid, one softmax
@@ -154,9 +116,6 @@ register(
     ZooLinearForCausalLM,
     ZooLinearModel,
     tiny_config=TINY_LLAMA,
-    sharding=linear_sharding,
-    bench_config=linear_entry.bench_config,
-    collectives_per_forward=linear_entry.collectives_per_forward,
 )
 register(
     "linear_hybrid",
@@ -164,9 +123,7 @@ register(
     ZooLinearForCausalLM,
     ZooLinearModel,
     tiny_config={**TINY_LLAMA, "layer_pattern": linear_entry.HYBRID_PATTERN, "decay": "lightning"},
-    sharding=linear_sharding,
-    bench_config=linear_entry.hybrid_bench_config,
-    collectives_per_forward=linear_entry.collectives_per_forward,
+    bench_config=linear_entry.hybrid_bench_config,  # the folder's own is the pure linear model's
 )
 
 # Tiny GQLA: the tiny llama's 4 heads in its 2 KV groups (n_g is num_key_value_heads), query heads of 8 + 8
@@ -185,10 +142,6 @@ register(
         "v_head_dim": 16,
         "attn_path": "absorb",
     },
-    sharding=gqla_sharding,
-    fit_degrees=gqla_entry.fit_degrees,
-    bench_config=gqla_entry.bench_config,
-    collectives_per_forward=gqla_entry.collectives_per_forward,
 )
 
 register_converter(LLAMA_TO_LADDER)

@@ -14,6 +14,7 @@ architecture's own folder (`sharding.py`, `entry.py`), so that no shared code na
 `CONVERTERS` maps a converter name to how `train.convert` turns one kind of checkpoint into another.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -79,6 +80,28 @@ class ZooEntry:
 ZOO: dict[str, ZooEntry] = {}
 
 
+# The hooks an architecture's entry.py may define (see the module docstring).
+ENTRY_HOOKS = ("fit_degrees", "bench_config", "collectives_per_forward")
+
+
+def folder_hooks(package: str) -> dict:
+    """The hooks stated in architecture folder `package` (e.g. "models.llama"): its sharding.py module and
+    whichever of `ENTRY_HOOKS` its entry.py defines."""
+    hooks = {}
+    for module_name, names in (("sharding", None), ("entry", ENTRY_HOOKS)):
+        try:
+            module = importlib.import_module(f"{package}.{module_name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{package}.{module_name}":
+                raise  # the module exists but one of its own imports is missing
+            continue
+        if names is None:
+            hooks[module_name] = module
+        else:
+            hooks.update({name: getattr(module, name) for name in names if hasattr(module, name)})
+    return hooks
+
+
 def register(
     name: str,
     config_class,
@@ -87,8 +110,10 @@ def register(
     tiny_config: dict | None = None,
     **hooks,
 ) -> None:
-    """Add `name` to `ZOO` (with `hooks`: sharding, fit_degrees, bench_config, collectives_per_forward) and
-    register its classes with the Auto classes."""
+    """Add `name` to `ZOO` and register its classes with the Auto classes. The hooks (sharding, fit_degrees,
+    bench_config, collectives_per_forward) come from the folder that defines `model_class`
+    (`folder_hooks`); `hooks` given here override them (one folder may serve two entries)."""
+    hooks = {**folder_hooks(model_class.__module__.rsplit(".", 1)[0]), **hooks}
     ZOO[name] = ZooEntry(name, config_class, model_class, base_model_class, dict(tiny_config or {}), **hooks)
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, base_model_class, exist_ok=True)
