@@ -14,17 +14,6 @@ from torch import nn
 from parallel import comm
 from parallel.layout import MeshDim, check_divisible, register_role, split_param
 
-# Compatibility: these moved to parallel.layout / parallel.state; train/ and eval/ still import them from
-# here. Remove once no caller does.
-from parallel.state import (  # noqa: F401
-    clip_grad_norm_,
-    full_optimizer_state,
-    full_state_dict,
-    grad_norm,
-    load_full_optimizer_state,
-    load_full_state_dict,
-)
-
 
 def shard_colwise(name: str, linear: nn.Linear, dim: MeshDim) -> None:
     split_param(linear, "weight", 0, dim, name)

@@ -37,9 +37,8 @@ from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
 from train.data import next_token_targets
-from train.metrics import summed_token_loss
+from train.metrics import IGNORE_INDEX, summed_token_loss
 
-IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 NONFINITE_POLICIES = ("stop", "skip")
 PARALLEL_NAMES = {"dp": "data", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
