@@ -51,18 +51,31 @@ def active_parameters(checkpoint: str, total: int) -> int:
     return formula() if formula is not None else total
 
 
-def convert_llama(cfg: DictConfig, run_dir: Path, llama_hf: str) -> dict:
+def convert_all(cfg: DictConfig, run_dir: Path, checkpoints: dict[str, str]) -> dict[str, dict]:
+    """Every converter of `convert.converters` applied to the trained `convert.source` architecture and
+    retrained briefly (train.convert): {converter name: its result}."""
     from train.convert import convert
 
-    print("[tour] converting llama -> ladder and retraining", flush=True)
     retrain = ",".join(f"'{o}'" for o in cfg.convert.retrain_overrides)
-    c = _compose(
-        "convert",
-        [f"source={llama_hf}", f"ladder_layers={cfg.convert.ladder_layers}", "retrain.enabled=true",
-         f"retrain.overrides=[{retrain}]"],
-    )
-    c.paths.output_dir = str(run_dir / "convert")
-    return convert(c)
+    results = {}
+    for name, options in cfg.convert.converters.items():
+        print(f"[tour] converting {cfg.convert.source} with {name} and retraining", flush=True)
+        started = time.perf_counter()
+        c = _compose(
+            "convert",
+            [f"converter={name}", f"source={checkpoints[cfg.convert.source]}",
+             *[f"{key}={value}" for key, value in (options or {}).items()],
+             "retrain.enabled=true", f"retrain.overrides=[{retrain}]"],
+        )
+        c.paths.output_dir = str(run_dir / "convert" / name)
+        results[name] = convert(c)
+        print(f"[tour] converted with {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    return results
+
+
+def converted_name(result: dict, source: str) -> str:
+    """The converted checkpoint's name in the report, e.g. "ladder (converted from llama)"."""
+    return f"{result['target']} (converted from {source})"
 
 
 def evaluate_all(cfg: DictConfig, run_dir: Path, checkpoints: dict[str, str]) -> dict[str, dict]:
@@ -165,7 +178,8 @@ def glance_rows(q_rows: list[dict], benches: dict[str, dict], archs: list[str]) 
     for arch in archs:
         q = next((r for r in q_rows if r["model"] == arch), {})
         row = {"arch": arch, "params": q.get("params"), "active params": q.get("active params"), "val ppl": q.get("val ppl")}
-        bench = next((b for b in benches.values() if arch in b["settings"]["archs"]), None)
+        # the bench of its family with generation rows (not the sequence-parallel or decode-path sections only)
+        bench = next((b for b in benches.values() if arch in b["settings"]["archs"] and b["rows"]), None)
         if bench is not None:
             rows = bench["rows"]
             top = max(bench["degrees"], key=bench_report.ranks)  # the most ranks measured
@@ -206,25 +220,27 @@ def loss_curves(path: Path, pretrained: dict[str, dict]) -> Path:
                              title="validation loss on held-out plays")
 
 
+# The generation bench's plots (eval.bench_report.make_plots), shown under its rows.
+GENERATION_PLOTS = ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction_exposed", "a2a_exposed")
+
+
 def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[list[str], list[dict], dict[str, Path]]:
     """The report's section of one bench: (Markdown lines, its rows, the plots copied beside the report)."""
     images = {}
-    for plot in ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction_exposed", "a2a_exposed"):
-        src = Path(bench["out_dir"]) / f"{plot}.png"
-        if src.exists():
-            images[f"{name}_{plot}"] = Path(shutil.copy(src, out / f"{name}_{plot}.png"))
+    for src in sorted(Path(bench["out_dir"]).glob("*.png")):
+        images[f"{name}_{src.stem}"] = Path(shutil.copy(src, out / f"{name}_{src.stem}.png"))
+    own = {k.removeprefix(f"{name}_"): v for k, v in images.items()}  # the bench's own plot names
     rows = speed_rows(bench, archs)
     base = bench["settings"]["baseline"]
     moe = any("a2a hidden share (decode)" in r for r in rows)
-    lines = [
-        f"## Speed: {bench['title']} (bench, random weights)",
-        "",
-        f"`{bench['command']}`. Speed-ups are over `{base}` in the same variant; hidden = "
-        f"(T_{base} - T_arch) / (T_{base} - T_upper_bound); hidden (exposed) = 1 - exposed_arch / exposed_{base} "
-        "on the virtual clock. Simulated rows: one rank's real compute + the link model; real rows: "
-        "gloo processes on this machine's cores.",
-        "",
-    ]
+    lines = [f"## Speed: {bench['title']} (bench, random weights)", "", f"`{bench['command']}`."]
+    if rows:
+        lines[-1] += (
+            f" Speed-ups are over `{base}` in the same variant; hidden = (T_{base} - T_arch) / (T_{base} - "
+            f"T_upper_bound); hidden (exposed) = 1 - exposed_arch / exposed_{base} on the virtual clock. Simulated "
+            "rows: one rank's real compute + the link model; real rows: gloo processes on this machine's cores."
+        )
+    lines.append("")
     if moe:
         lines += [
             "Per MoE layer (simulated rows): **a2a bytes/layer** = bytes this rank hands to one token all-to-all, "
@@ -236,11 +252,14 @@ def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[
     lines += [
         *[f"> {n}" for n in bench["notes"]],
         "",
-        report.write_markdown_table(rows, list(rows[0]) if rows else []),
-        "",
-        *[f"![{k}]({v.name})" for k, v in images.items()],
-        "",
     ]
+    if rows:
+        lines += [report.write_markdown_table(rows, list(rows[0])), ""]
+        lines += [f"![{k}]({v.name})" for k, v in own.items() if k in GENERATION_PLOTS]
+        lines.append("")
+    # The bench's own sections where it ran them (sequence parallelism, decode paths), a level down.
+    for section in (bench_report.sp_section(bench, own), bench_report.decode_paths_section(bench, own)):
+        lines += ["#" + line if line.startswith("#") else line for line in section]
     experts = bench.get("expert_throughput") or []
     if experts:
         lines += [
@@ -255,7 +274,28 @@ def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[
             ),
             "",
         ]
+        if "expert_throughput" in own:
+            lines += [f"![expert_throughput]({own['expert_throughput'].name})", ""]
     return lines, rows, images
+
+
+def conversion_lines(converted: dict[str, dict]) -> list[str]:
+    """One section per conversion: its settings and the validation loss before, right after and after retraining."""
+    lines = []
+    for result in converted.values():
+        settings = ", ".join(f"{k}={v}" for k, v in result["details"].items())
+        lines += [
+            f"## {result['title']} conversion (`converter={result['converter']}`: {settings})",
+            "",
+            "Measured by `train.convert` on its own validation batches (`evaluate.max_batches`), so the "
+            "numbers differ slightly from the table above; the retrained model saw extra steps.",
+            "",
+            "| model | val loss | val ppl |",
+            "|---|---|---|",
+            *[f"| {k} | {v['loss']:.4f} | {v['ppl']:.2f} |" for k, v in result["val"].items()],
+            "",
+        ]
+    return lines
 
 
 def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapsed) -> Path:
@@ -270,7 +310,6 @@ def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapse
         speed_lines += lines
         images.update(bench_images)
     hardware = next(iter(benches.values()))["hardware"] if benches else {}
-    conv = converted["val"]
     lines = [
         "# overlap-zoo tour",
         "",
@@ -306,21 +345,12 @@ def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapse
         "",
         "![validation loss](loss_curves.png)",
         "",
-        f"## Llama -> Ladder conversion (last {converted['ladder_layers']} of "
-        f"{converted['num_hidden_layers']} layers)",
-        "",
-        "Measured by `train.convert` on its own validation batches (`evaluate.max_batches`), so the "
-        "numbers differ slightly from the table above; the retrained model saw extra steps.",
-        "",
-        "| model | val loss | val ppl |",
-        "|---|---|---|",
-        *[f"| {k} | {v['loss']:.4f} | {v['ppl']:.2f} |" for k, v in conv.items()],
-        "",
+        *conversion_lines(converted),
         *speed_lines,
     ]
     path = out / "README.md"
     path.write_text("\n".join(lines), encoding="utf-8")
-    report.write_json(out / "tour.json", {"glance": g_rows, "quality": q_rows, "speed": s_rows, "conversion": conv})
+    report.write_json(out / "tour.json", {"glance": g_rows, "quality": q_rows, "speed": s_rows, "conversion": {name: r["val"] for name, r in converted.items()}})
     if cfg.wandb:
         tables = {"tour/quality": (list(q_rows[0]), q_rows)}
         tables.update({f"tour/speed/{name}": (list(rows[0]), rows) for name, rows in s_rows.items() if rows})
@@ -342,10 +372,11 @@ def tour(cfg: DictConfig) -> Path:
     run_dir = Path(cfg.paths.output_dir).resolve()
     pretrained = pretrain_all(cfg, run_dir)
     checkpoints = {arch: r["hf_dir"] for arch, r in pretrained.items()}
-    converted = {"val": {}, "ladder_layers": None, "num_hidden_layers": None}
-    if cfg.convert.enabled and "llama" in pretrained:
-        converted = convert_llama(cfg, run_dir, checkpoints["llama"])
-        checkpoints["ladder (converted from llama)"] = converted["retrain"]["hf_dir"]
+    converted = {}
+    if cfg.convert.enabled and cfg.convert.source in pretrained:
+        converted = convert_all(cfg, run_dir, checkpoints)
+        for result in converted.values():
+            checkpoints[converted_name(result, cfg.convert.source)] = result["retrain"]["hf_dir"]
     quality = evaluate_all(cfg, run_dir, checkpoints)
     benches = bench_all(cfg, run_dir)
     path = write_report(cfg, Path(cfg.report_dir), pretrained, converted, quality, benches,

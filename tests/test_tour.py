@@ -1,6 +1,6 @@
 """Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs, the report is written under
 the run directory, and nothing else is written into the checkout (the tour runs in a copy of it).
-Slow (2-4 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
+Slow (3-5 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
 
 import json
 import os
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOT_COPIED = (".git", ".venv", "outputs", "logs", "wandb", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache")
 
 OVERRIDES = [
-    "archs=[llama,parallel,ladder,moe,scmoe]",
+    "archs=[llama,parallel,ladder,moe,scmoe,linear_hybrid,gqla]",
     "pretrain_overrides=['experiment=demo','trainer.max_steps=4','trainer.val_check_interval=2',"
     "'trainer.limit_val_batches=2','data.seq_len=32','data.batch_size=4','logger=csv','sample.num_lines=0']",
     "convert.retrain_overrides=['trainer.max_steps=2','trainer.limit_val_batches=2','trainer.val_check_interval=2',"
@@ -25,6 +25,10 @@ OVERRIDES = [
     "benches.tensor_parallel.overrides=['bench_shape=tiny','batch_sizes=[1]','repeats=1','logger=none','tp=[2]']",
     "benches.expert_parallel.overrides=['bench_preset=moe','bench_shape=tiny','ep=[2]','batch_sizes=[1]','repeats=1',"
     "'logger=none','real.enabled=false','expert_throughput.tokens=64','expert_throughput.repeats=1']",
+    # linear is not trained here (the hybrid is): the sequence-parallel bench, whose baseline it is, is skipped
+    "benches.gqla.overrides=['bench_preset=gqla','bench_shape=tiny','tp=[2]','batch_sizes=[1]','repeats=1',"
+    "'real.enabled=false','decode_paths.batch_sizes=[1]','decode_paths.q_lens=[1]','decode_paths.steps=2',"
+    "'decode_paths.repeats=1','decode_paths.accounting_shape=null','logger=none']",
 ]
 
 
@@ -58,17 +62,21 @@ def test_tour_writes_report_under_outputs_and_nothing_else(tmp_path):
     (run,) = (checkout / "outputs" / "tour").iterdir()
     report = run / "report"
     text = (report / "README.md").read_text()
-    for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Speed: tensor parallelism",
-                    "## Speed: expert parallelism"):
+    for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Llama -> GQLA conversion",
+                    "## Speed: tensor parallelism", "## Speed: expert parallelism", "## Speed: GQLA",
+                    "### Decode paths"):
         assert heading in text
-    for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)", "moe", "scmoe"):
+    assert "## Speed: sequence parallelism" not in text  # its baseline, linear, was not trained
+    for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)", "moe", "scmoe", "linear_hybrid",
+                 "gqla", "gqla (converted from llama)"):
         assert f"| {arch} |" in text
     # total and active parameters: equal for the dense ones, fewer active for the MoE ones
     glance = json.loads((report / "tour.json").read_text())["glance"]
     counts = {row["arch"]: (row["params"], row["active params"]) for row in glance}
     assert counts["llama"][0] == counts["llama"][1] and counts["moe"][1] < counts["moe"][0]
     assert {row["arch"]: row.get("against") for row in glance} == {
-        "llama": "llama", "parallel": "llama", "ladder": "llama", "moe": "moe", "scmoe": "moe"
+        "llama": "llama", "parallel": "llama", "ladder": "llama", "moe": "moe", "scmoe": "moe", "linear_hybrid": None,
+        "gqla": "llama",
     }
     assert (report / "loss_curves.png").stat().st_size > 0
     assert list((run / "wandb").glob("offline-run-*"))

@@ -117,9 +117,11 @@ def convert(cfg: DictConfig) -> dict:
     details = converter.summary(converted)
     result = {
         "converter": converter.name,
+        "target": converter.target,
         "title": f"{converter.source_title} -> {converter.target_title}",
         "source": str(source),
         **details,
+        "details": details,  # the converter's settings of the result, also spread above for direct access
         f"{converter.target}_dir": str(out),
         "val": {},
     }
