@@ -8,14 +8,24 @@ gives {"ep": 2}, `degrees: [{ep: 2, tp: 2}]` a point of several dimensions) in o
 (DESIGN.md, "Measuring speed honestly"):
 
 - `simulated`: this process plays rank 0 of a P-way fake process group, holds only its shards and
-  computes for real; collectives go on the virtual link of `parallel.link` (one row per preset) and
-  the reported time is that virtual clock;
+  computes; collectives go on the virtual link of `parallel.link` (one row per preset) and the reported
+  time is that virtual clock;
 - `upper_bound`: the same rank-0 compute with every collective skipped (comm mode `none`);
 - `real`: P spawned processes with real collectives (gloo on CPU, nccl on GPU, 127.0.0.1); the same
   processes also time `upper_bound_real` (all ranks running, no collectives), its own upper bound.
 
-Repeats are interleaved across architectures (repeat r of every arch before repeat r+1) so slow drift
-in a shared machine's load hits every architecture alike. Per row (one architecture at one set of mesh
+The compute of the first two (`compute`): `measured` (default) times rank 0's real compute on this machine;
+a device preset (`compute=h100-sxm`, parallel.device.DEVICES) predicts it instead with the speed simulator
+(eval/simulate.py): each architecture is built on the meta device in bfloat16 (a GPU's dtype; no memory, so
+any shape, a 70B model at TP 8 included), its own prefill and one decode step (static KV cache of prompt +
+new tokens, `static_cache`) run once under `parallel.device.DeviceClock`, every aten op charged to the
+preset's roofline with the `device_model` constants (eval.costmodel's fit), and that one recording is
+replayed on every link preset (`upper_bound`: free communication, `eval.simulate.NO_COMM`). Nothing is
+timed on this machine: the rows are deterministic (min = max = median, no warm-up or repeats), and `real`
+(which measures this machine) is off.
+
+Measured repeats are interleaved across architectures (repeat r of every arch before repeat r+1) so slow
+drift in a shared machine's load hits every architecture alike. Per row (one architecture at one set of mesh
 degrees, `{"tp": 2}`, one variant and batch size): prefill ms, decode tokens/s, communication
 calls/bytes per forward, exposed communication (simulated), in total and per collective kind. Rows of
 architectures with expert-parallel all-to-alls also carry, per MoE layer, the all-to-all bytes counted
@@ -70,11 +80,13 @@ from omegaconf import DictConfig, OmegaConf
 import models
 import parallel
 from eval import bench_report
+from eval.simulate import NO_COMM, build_meta, record_generation, release
 from models.common import RMSNorm, SwiGLUMLP
 from models.common.attention import make_causal_mask
 from models.common.moe import GroupedExperts, TopKRouter
 from parallel import comm
-from parallel.link import LINK_PRESETS, VirtualClock, get_links
+from parallel.device import DEVICES, DeviceModel, get_device
+from parallel.link import LINK_PRESETS, ClockRecorder
 from parallel.mesh import DIM_ORDER
 
 # --- setup ------------------------------------------------------------------------------------
@@ -93,10 +105,68 @@ def real_points(cfg: dict) -> list[dict[str, int]]:
     return bench_report.degree_points(real["tp"], real.get("ep"), real.get("degrees"))
 
 
+# The dtype of the device model's rows: a GPU's (the meta device allocates nothing, so no CPU cost).
+SIMULATED_DTYPE = torch.bfloat16
+
+
+def compute_of(cfg: dict) -> str:
+    """The `compute` setting: `measured`, or a device preset name (parallel.device.DEVICES)."""
+    return cfg.get("compute") or "measured"
+
+
+def predicted(cfg: dict) -> bool:
+    """Whether the simulated and upper-bound rows are a device model's prediction (not measured here)."""
+    return compute_of(cfg) != "measured"
+
+
+def check_compute(cfg: dict) -> None:
+    compute = compute_of(cfg)
+    if compute != "measured" and compute not in DEVICES:
+        raise ValueError(
+            f"Unknown compute={compute!r}; choose 'measured' (time rank 0's compute on this machine) or a device "
+            f"preset of parallel.device.DEVICES: {sorted(DEVICES)}."
+        )
+    if compute != "measured":
+        device_model(cfg)  # constants out of range fail here, before anything runs
+
+
+def device_model(cfg: dict) -> DeviceModel:
+    """The `device_model` constants on the `compute` preset."""
+    dm = cfg.get("device_model") or {}
+    return DeviceModel(
+        get_device(compute_of(cfg)),
+        eff_flops=float(dm.get("eff_flops", 0.6)),
+        eff_hbm=float(dm.get("eff_hbm", 0.7)),
+        kernel_overhead_s=float(dm.get("kernel_overhead_us", 2.0)) * 1e-6,
+        contention=float(dm.get("contention", 0.0)),
+    )
+
+
+def compute_info(cfg: dict) -> dict:
+    """What results.json records about the compute: the setting and, for a device preset, the model."""
+    if not predicted(cfg):
+        return {"setting": "measured"}
+    dm = device_model(cfg)
+    return {
+        "setting": compute_of(cfg),
+        "device": {"name": dm.device.name, "peak_flops": dm.device.peak_flops, "hbm_Bps": dm.device.hbm_Bps,
+                   "note": dm.device.note},
+        "eff_flops": dm.eff_flops,
+        "eff_hbm": dm.eff_hbm,
+        "kernel_overhead_us": dm.kernel_overhead_s * 1e6,
+        "contention": dm.contention,
+        "dtype": str(SIMULATED_DTYPE).removeprefix("torch."),
+        "static_cache": bool(cfg.get("static_cache", True)),
+    }  # fmt: skip
+
+
 def resolve_real(cfg: dict, device_type: str) -> dict:
     """`auto` real degrees: on CPU only 2-rank points ([2] for an axis the bench measures; every rank needs
-    cores of its own), every point on GPUs (one needing more GPUs than the machine has is skipped later)."""
+    cores of its own), every point on GPUs (one needing more GPUs than the machine has is skipped later).
+    With a device preset as `compute` the real variant is off: it would measure this machine."""
     real = dict(cfg["real"])
+    if predicted(cfg):
+        real["enabled"] = False
     for axis in ("tp", "ep"):
         if real.get(axis, "auto") == "auto":
             wanted = list(cfg.get(axis) or [])
@@ -206,6 +276,7 @@ def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     """Fail before measuring anything if a setting is out of range, an architecture cannot be built at the
     shape, or a degree point fits no architecture (each architecture's own `check_layout`). Returns which
     architectures run at each point and the notes of those skipped (`archs_at_points`)."""
+    check_compute(cfg)
     _check_degree_list(cfg["tp"], "TP")
     _check_degree_list(cfg.get("ep"), "EP")
     points = bench_points(cfg)
@@ -442,8 +513,14 @@ def summarize(runs: list[dict], batch: int, new_tokens: int) -> dict:
 # --- the variants -----------------------------------------------------------------------------
 
 
-def run_single_process(cfg: dict, degrees: dict[str, int], archs: list[str], device, dtype) -> list[dict]:
-    """Simulated-link and upper-bound rows of `archs` at `degrees`, one process playing rank 0."""
+def run_single_process(
+    cfg: dict, degrees: dict[str, int], archs: list[str], device, dtype, skipped: list[str] | None = None
+) -> list[dict]:
+    """Simulated-link and upper-bound rows of `archs` at `degrees`, one process playing rank 0: its compute
+    measured on `device`, or predicted by the device model (`compute` a device preset: `run_device_model`,
+    which appends to `skipped` an architecture whose forward cannot run on the meta device)."""
+    if predicted(cfg):
+        return run_device_model(cfg, degrees, archs, skipped)
     rows = []
     p = bench_report.ranks(degrees)
     mesh = parallel.init_mesh(**degrees, fake=True)
@@ -467,6 +544,78 @@ def run_single_process(cfg: dict, degrees: dict[str, int], archs: list[str], dev
         if dist.is_initialized():
             dist.destroy_process_group()
     return rows
+
+
+def run_device_model(
+    cfg: dict, degrees: dict[str, int], archs: list[str], skipped: list[str] | None = None
+) -> list[dict]:
+    """Simulated-link and upper-bound rows of `archs` at `degrees` predicted by the device model: each
+    architecture built on the meta device (bfloat16) and sharded on a fake mesh (`eval.simulate.build_meta`,
+    which brings the mesh up; `release` takes it down), its generation recorded once per batch size and
+    replayed on every link preset (`upper_bound`: free communication). The rows go through the same
+    `summarize` / `_rows` as measured ones, one run each (min = max = median). An architecture whose forward
+    needs values the meta device does not have (a data-dependent op such as boolean-mask indexing) is not
+    predicted: a note for it goes to `skipped` (any other error is raised)."""
+    dm, dtype = device_model(cfg), SIMULATED_DTYPE
+    recordings = {batch: {} for batch in cfg["batch_sizes"]}
+    for arch in archs:
+        try:
+            model = build_meta(arch, model_config(cfg, arch, degrees), degrees, dtype)
+            recorded = {
+                batch: record_generation(
+                    model, batch, cfg["prompt_len"], cfg["new_tokens"], bool(cfg.get("static_cache", True))
+                )
+                for batch in cfg["batch_sizes"]
+            }
+        except (NotImplementedError, RuntimeError) as err:
+            if "meta" not in str(err):
+                raise
+            note = (
+                f"{bench_report.degrees_label(degrees)}: {arch}: its forward does not run on the meta device, so "
+                f"compute={compute_of(cfg)} cannot predict it ({type(err).__name__}: {str(err).split('. ')[0]})"
+            )
+            print(f"[bench] skipped {note}", flush=True)
+            if skipped is not None:
+                skipped.append(note)
+            continue
+        finally:
+            release()
+            model = None
+        for batch, recording in recorded.items():
+            recordings[batch][arch] = recording
+    rows = []
+    for batch, recs in recordings.items():
+        if cfg["simulated"]["enabled"]:
+            for link in cfg["simulated"]["links"]:
+                runs = {arch: [predicted_run(rec, dm, link)] for arch, rec in recs.items()}
+                rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
+        if cfg["upper_bound"]["enabled"]:
+            runs = {arch: [predicted_run(rec, dm, NO_COMM, upper_bound=True)] for arch, rec in recs.items()}
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
+    return rows
+
+
+def predicted_run(recording, dm: DeviceModel, link, upper_bound: bool = False) -> dict:
+    """One recording's prediction as one run of `generate_once`: prefill, and the decode loop as the one
+    recorded step times the new_tokens - 1 steps (its counts too), which `summarize` divides back. The upper
+    bound reads as a measured one does: no exposure, nothing sent (comm mode `none` counts nothing)."""
+    out = recording.predict(dm, link)
+    steps = recording.new_tokens - 1
+    run = {}
+    for phase, per in (("prefill", 1), ("decode", steps)):
+        p, counts = out[phase], recording.phases[phase].counts
+        run[phase] = {"time": p["time"] * per}
+        if upper_bound:
+            run[phase].update(exposed=None, comm_busy=None, exposed_by=None, busy_by=None, counts={})
+        else:
+            run[phase].update(
+                exposed=p["exposed"] * per,
+                comm_busy=p["busy"] * per,
+                exposed_by={k: v * per for k, v in p["exposed_by"].items()},
+                busy_by={k: v * per for k, v in p["busy_by"].items()},
+                counts={kind: {n: v * per for n, v in c.items()} for kind, c in counts.items()},
+            )
+    return run
 
 
 def _rows(runs, cfg, degrees, batch, variant, link, dtype) -> list[dict]:
@@ -814,68 +963,6 @@ def sp_inputs(trunk, n: int, p: int, batch: int, seed: int, device: torch.device
     position_ids = torch.arange(offset, offset + c, device=device)[None]
     rotary = None if trunk.rotary_emb is None else trunk.rotary_emb(x, position_ids)
     return {"x": x, "grad": grad, "rotary": rotary, "mask": mask}
-
-
-class ClockRecorder:
-    """Records what one run asks of the simulated link's clock (each call, with its arguments) and every real
-    time the clock reads, so that the run can be replayed on other link presets without running it again.
-
-    The compute between collectives does not depend on the link (the stand-in results are the same), so a
-    replay gives exactly what running again on that link would measure, without the run-to-run noise: the
-    presets are compared on the same compute. Only top-level calls are recorded (the clock's own calls to
-    its methods are replayed by it); a wait is recorded by the index of the collective it waits for."""
-
-    CALLS = ("start", "issue", "wait", "rebase", "elapsed")
-
-    def __init__(self, clock: VirtualClock):
-        self.calls: list[tuple[str, tuple, dict]] = []
-        self.times: list[float] = []
-        self._depth = 0
-        self._issue_index: dict[float, int] = {}
-        real_now = clock.now
-
-        def now():
-            t = real_now()
-            self.times.append(t)
-            return t
-
-        clock.now = now
-        for name in self.CALLS:
-            setattr(clock, name, self._recording(name, getattr(clock, name)))
-
-    def _recording(self, name: str, method):
-        def call(*args, **kwargs):
-            if self._depth:  # the clock calling itself: replayed by the replaying clock itself
-                return method(*args, **kwargs)
-            self.calls.append((name, (self._issue_index[args[0]],) if name == "wait" else args, kwargs))
-            self._depth += 1
-            try:
-                out = method(*args, **kwargs)
-            finally:
-                self._depth -= 1
-            if name == "issue":
-                self._issue_index[out] = len(self._issue_index)
-            return out
-
-        return call
-
-    def replay(self, link: str) -> list[dict]:
-        """The recorded calls on a fresh clock over `link` with the recorded compute times; the clock's state
-        at each `elapsed` call (the marks: end of forward, end of backward)."""
-        times = iter(self.times)
-        clock = VirtualClock(get_links(link), now=lambda: next(times))
-        ready, marks = [], []
-        for name, args, kwargs in self.calls:
-            if name == "issue":
-                ready.append(clock.issue(*args, **kwargs))
-            elif name == "wait":
-                clock.wait(ready[args[0]])
-            elif name == "elapsed":
-                marks.append({"time": clock.elapsed(), "exposed": clock.exposed, "busy": clock.comm_busy,
-                              "exposed_by": dict(clock.exposed_by), "busy_by": dict(clock.busy_by)})  # fmt: skip
-            else:
-                getattr(clock, name)(*args, **kwargs)
-        return marks
 
 
 def sp_run_once(trunk, inputs: dict, p: int, link: str, sync=None) -> dict:
@@ -1285,7 +1372,7 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
     for degrees in bench_points(cfg):
         if cfg["simulated"]["enabled"] or cfg["upper_bound"]["enabled"]:
             archs = archs_at[bench_report.degrees_key(degrees)]
-            rows += run_single_process(cfg, degrees, archs, device, dtype)
+            rows += run_single_process(cfg, degrees, archs, device, dtype, skipped)
             print(
                 f"[bench] {bench_report.degrees_label(degrees)}: simulated / upper bound done "
                 f"({time.perf_counter() - started:.0f} s)",
@@ -1313,7 +1400,8 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
         paths = decode_paths(cfg, device, dtype)
         print(f"[bench] decode paths done ({time.perf_counter() - started:.0f} s)", flush=True)
     bench_report.add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
-    clock_note = bench_report.clock_note(rows, cfg["baseline"])
+    # The virtual clock counting Python time as compute: a measured-compute artefact only.
+    clock_note = None if predicted(cfg) else bench_report.clock_note(rows, cfg["baseline"])
     results = {
         "command": command,
         "settings": cfg,
@@ -1321,8 +1409,9 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
         "real_degrees": real_points(cfg),
         "hardware": hw,
         "dtype": str(dtype).removeprefix("torch."),
+        "compute": compute_info(cfg),
         "links": [
-            {"name": k, "alpha_us": v.alpha_s * 1e6, "beta_GBps": v.beta_Bps / 1e9, "note": v.note}
+            {"name": k, "base_us": v.base_s * 1e6, "alpha_us": v.alpha_s * 1e6, "beta_GBps": v.beta_Bps / 1e9, "note": v.note}
             for k, v in LINK_PRESETS.items()
         ],
         "notes": bench_report.notes_for(cfg, device.type, hw, rows) + ([clock_note] if clock_note else []),

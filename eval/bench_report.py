@@ -276,7 +276,32 @@ def plot_expert_throughput(experts: list[dict], out_dir: Path) -> Path:
 # --- notes ------------------------------------------------------------------------------------
 
 
+def device_model_note(cfg: dict) -> str:
+    """What rows predicted by a device model (`compute` a device preset) are."""
+    compute, dm = cfg["compute"], cfg.get("device_model") or {}
+    cache = (
+        "a static KV cache of prompt + new tokens, read in full at every step as gpt-fast's"
+        if cfg.get("static_cache", True)
+        else "the architecture's default growing cache"
+    )
+    return (
+        f"Simulated and upper-bound rows are the device model's prediction for {compute}, not timings: each aten op "
+        f"of the model's own forward (built on the meta device in bfloat16, rank 0's shards) is charged to {compute}'s "
+        f"roofline, max(FLOPs / (peak x {dm.get('eff_flops')}), bytes / (HBM x {dm.get('eff_hbm')})) + "
+        f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused), contention {dm.get('contention')} "
+        "(eval.costmodel's constants, settings `device_model`), and the link model's collectives are placed where "
+        "forward() issues and waits them. Prefill is one recorded forward; a decode step is one recorded step with "
+        f"the cache filled to the middle of the generation ({cache}), times the decode steps. Nothing is timed on "
+        "this machine: the rows are deterministic (min = max = median, no warm-up or repeats) and any shape runs. "
+        "The upper bound is the same prediction with free communication. The real variant is not run with a "
+        "device preset (it measures this machine)."
+    )
+
+
 def notes_for(cfg: dict, device_type: str, hw: dict, rows: list[dict] = ()) -> list[str]:
+    if (cfg.get("compute") or "measured") != "measured":
+        # No CPU compute, no gloo ranks, no shared load in these rows: only the device model's note applies.
+        return [device_model_note(cfg)]
     notes = [
         "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
         "they show what each schedule hides on that link, not what this machine would do with P devices."
@@ -442,14 +467,15 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
     cols += [(f"{m}_{ph}", f"{label[m]} {ph}") for m in methods for ph in ("fwd", "bwd")]
     lines += [report.write_markdown_table(table, cols)]
     if "sp_bytes" in images:
-        lines += ["![sp_bytes](sp_bytes.png)", ""]
+        lines += [f"![sp_bytes]({images['sp_bytes'].name})", ""]
     big = max(points, key=lambda pn: (pn[1], pn[0]))
     paper = [by[(big[1], big[0], m)] for m in methods if (big[1], big[0], m) in by]
     link_cols = [(f"link_ms:{link}", f"link ms, {link}") for link in s["links"]]
     lines += [
         f"Link time per layer per rank at N={big[1]:,}, P={big[0]} (forward + backward, the alpha-beta model of each "
-        "preset on the counted collectives, nothing hidden; on this link model LASP-2's all-gather costs what "
-        "LASP-1's P-1 hops cost, (P-1) (alpha + state / beta): LASP-2 wins by overlapping it, not by sending less):",
+        "preset on the counted collectives, nothing hidden; LASP-2's all-gather costs base + (P-1) (alpha + state / "
+        "beta), LASP-1's P-1 serial hops (P-1) (base + alpha + state / beta): the same bytes, LASP-2 pays the fixed "
+        "latency once, and wins mostly by overlapping the rest):",
         "",
         report.write_markdown_table(
             [{**r, "method": label[r["method"]]} for r in paper],
@@ -483,7 +509,7 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
         lines += [f"#### {link}", "", report.write_markdown_table([_percent(r) for r in sel], cmp_cols)]
     for name in ("sp_time", "sp_exposed"):
         if name in images:
-            lines += [f"![{name}]({name}.png)", ""]
+            lines += [f"![{name}]({images[name].name})", ""]
     # Headline beside the paper.
     if sp.get("headline"):
         h0 = sp["headline"][0]
@@ -650,14 +676,15 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     lines += ["## Link presets", ""]
     lines.append(
         report.write_markdown_table(
-            results["links"], [("name", "preset"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
+            results["links"], [("name", "preset"), ("base_us", "base us"), ("alpha_us", "alpha us/hop"), ("beta_GBps", "beta GB/s"), "note"]
         )
     )
     for name, path in images.items():
         if name not in MOE_PLOTS + SP_PLOTS + DECODE_PATH_PLOTS:  # shown in their own sections
             lines += [f"![{name}]({path.name})", ""]
     if results["skipped"]:
-        lines += ["## Skipped", "", "Architectures whose layout refuses a degree point are not measured there:", ""]
+        lines += ["## Skipped", "", "Architectures not measured at a degree point (a layout that refuses it, or a "
+                  "forward the device model cannot run):", ""]  # fmt: skip
         lines += [f"- {s}" for s in results["skipped"]] + [""]
     path = out_dir / "README.md"
     path.write_text("\n".join(lines))
@@ -665,16 +692,31 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
 
 
 def generation_intro(results: dict, points: str) -> list[str]:
-    """What the generation bench's rows are: settings, hardware, the columns."""
+    """What the generation bench's rows are: settings, compute, hardware, the columns."""
     cfg, hw = results["settings"], results["hardware"]
+    compute = results.get("compute") or {"setting": "measured"}
+    if compute["setting"] == "measured":
+        how = (
+            f"compute measured on this machine: {cfg['warmup']} warm-up + {cfg['repeats']} timed repeats "
+            f"(median, min-max), dtype {results['dtype']}, compile={cfg['compile']}."
+        )
+        machine = f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
+    else:
+        d = compute["device"]
+        how = (
+            f"compute predicted for {d['name']} by the device model ({d['peak_flops'] / 1e12:.0f} TFLOP/s, "
+            f"{d['hbm_Bps'] / 1e12:.2f} TB/s HBM; eff_flops {compute['eff_flops']}, eff_hbm {compute['eff_hbm']}, "
+            f"{compute['kernel_overhead_us']:.3g} us per kernel, contention {compute['contention']}), dtype "
+            f"{compute['dtype']}, {'static' if compute['static_cache'] else 'growing'} KV cache: one deterministic "
+            "prediction per row."
+        )
+        machine = f"Predicted on: {hw['cpu']} ({hw['cpu_cores']} CPU cores, load average "
     return [
         f"Architectures {', '.join(cfg['archs'])} (baseline `{cfg['baseline']}`), degrees {points}, "
         f"batch {cfg['batch_sizes']}, prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} generated "
-        f"({cfg['new_tokens'] - 1} decode steps), {cfg['warmup']} warm-up + {cfg['repeats']} timed repeats "
-        f"(median, min-max), dtype {results['dtype']}, compile={cfg['compile']}.",
+        f"({cfg['new_tokens'] - 1} decode steps), {how}",
         "",
-        f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
-        f"{hw['load_average_1m']:.2f} at start), torch {hw['torch']}, transformers {hw['transformers']}.",
+        f"{machine}{hw['load_average_1m']:.2f} at start), torch {hw['torch']}, transformers {hw['transformers']}.",
         "",
         "- **decode tok/s** = batch x decode steps / decode time; **prefill ms** = time to first token.",
         f"- **speed-up** = the architecture over `{cfg['baseline']}` in the same variant, degrees and batch.",
@@ -685,9 +727,13 @@ def generation_intro(results: dict, points: str) -> list[str]:
         "- **hidden (exposed)** (simulated only) = 1 - exposed_arch / exposed_base on the virtual clock: "
         "the same question without compute-time noise between architectures.",
         "- **exposed / link busy** (simulated only): the share of the link's time that was not covered by compute. "
-        f"`{cfg['baseline']}` waits each collective right after issuing it, so its share should be near 1: a lower "
-        "value is Python time between issuing a collective and waiting for it that the virtual clock counted as "
-        "compute.",
+        f"`{cfg['baseline']}` waits each collective right after issuing it, so its share should be near 1"
+        + (
+            ": a lower value is Python time between issuing a collective and waiting for it that the virtual clock "
+            "counted as compute."
+            if compute["setting"] == "measured"
+            else " (with the device model only ops placed between issue and wait count as compute)."
+        ),
         "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
         "",
     ]
@@ -730,7 +776,7 @@ def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
             sel = [r for r in moe if r["variant"] == "simulated" and r["link"] == link]
             lines += [f"### simulated:{link}", "", report.write_markdown_table(display_rows(sel), MOE_EXPOSED_COLUMNS)]
         if "a2a_exposed" in images:
-            lines += ["![a2a_exposed](a2a_exposed.png)", ""]
+            lines += [f"![a2a_exposed]({images['a2a_exposed'].name})", ""]
     experts = results.get("expert_throughput") or []
     if experts:
         et = cfg["expert_throughput"]
@@ -749,7 +795,7 @@ def moe_sections(results: dict, images: dict[str, Path]) -> list[str]:
             report.write_markdown_table(shown, EXPERT_COLUMNS),
         ]
         if "expert_throughput" in images:
-            lines += ["![expert_throughput](expert_throughput.png)", ""]
+            lines += [f"![expert_throughput]({images['expert_throughput'].name})", ""]
     return lines
 
 
@@ -817,7 +863,7 @@ def decode_paths_section(results: dict, images: dict[str, Path]) -> list[str]:
             report.write_markdown_table(acc, ACCOUNTING_COLUMNS),
         ]
     if "decode_paths" in images:
-        lines += ["![decode_paths](decode_paths.png)", ""]
+        lines += [f"![decode_paths]({images['decode_paths'].name})", ""]
     return lines
 
 
@@ -862,7 +908,11 @@ def log_to_wandb(results: dict, images: dict[str, Path], out_dir: Path, wandb_cf
         project=wandb_cfg.get("project", "overlap-zoo"),
         name=wandb_cfg.get("name", "bench"),
         tags=wandb_cfg.get("tags") or [],
-        config={k: v for k, v in results.items() if k in ("settings", "hardware", "dtype", "links", "degrees", "real_degrees")},
+        config={
+            k: v
+            for k, v in results.items()
+            if k in ("settings", "hardware", "dtype", "compute", "links", "degrees", "real_degrees")
+        },
         summary=summary,
         tables={"bench/results": (columns, rows)},
         images={f"bench/{k}": v for k, v in images.items()},

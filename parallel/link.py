@@ -1,15 +1,16 @@
 """Alpha-beta link model and the simulated link's virtual clock.
 
 A collective of n bytes over a P-way ring costs, per NCCL's ring algorithms,
-    all-reduce:       2 (P-1) alpha + 2 (P-1)/P * n / beta
-    all-gather:         (P-1) alpha +   (P-1)/P * n / beta     (n = gathered output size)
-    reduce-scatter:     (P-1) alpha +   (P-1)/P * n / beta     (n = input size)
-    all-to-all:         (P-1) alpha +   (P-1)/P * n / beta     (equal splits, n = input size)
-    send-recv:              alpha +             n / beta     (one hop of a ring shift: n bytes out, n in)
-with alpha the per-hop latency and beta the per-direction bandwidth in bytes/s.
+    all-reduce:       base + 2 (P-1) alpha + 2 (P-1)/P * n / beta
+    all-gather:       base +   (P-1) alpha +   (P-1)/P * n / beta     (n = gathered output size)
+    reduce-scatter:   base +   (P-1) alpha +   (P-1)/P * n / beta     (n = input size)
+    all-to-all:       base +   (P-1) alpha +   (P-1)/P * n / beta     (equal splits, n = input size)
+    send-recv:        base +         alpha +             n / beta     (one hop of a ring shift: n bytes out, n in)
+with base the fixed latency of one collective (kernel launch and the ranks' handshake), alpha the per-hop
+latency and beta the per-direction bandwidth in bytes/s.
 
 An all-to-all with unequal splits (`all_to_all_time`) is charged by what THIS rank moves:
-    (P-1) alpha + max(sent, received) / beta
+    base + (P-1) alpha + max(sent, received) / beta
 with `sent` the bytes it sends to the other P-1 ranks and `received` the bytes it receives from them
 (its own chunk stays local). One alpha per peer; sending and receiving overlap (links are full
 duplex), so the larger direction sets the time. With equal splits sent = received = (P-1)/P * n,
@@ -40,11 +41,16 @@ class LinkPreset:
     alpha_s: float  # latency per hop, seconds
     beta_Bps: float  # bandwidth per direction, bytes per second
     note: str = ""
+    base_s: float = 0.0  # fixed latency of one collective, seconds
 
 
 LINK_PRESETS: dict[str, LinkPreset] = {
-    # NVLink 4 on H100 SXM: 450 GB/s per direction nominal; NCCL reaches ~360 GB/s bus bandwidth.
-    "nvlink-h100": LinkPreset("nvlink-h100", 3e-6, 360e9, "H100 SXM NVLink 4, NCCL ring bus bandwidth"),
+    # NVLink 4 on H100 SXM: 450 GB/s per direction nominal; NCCL reaches ~360 GB/s bus bandwidth. Latencies
+    # fitted to the Ladder paper's 70B table (eval.costmodel, reports/costmodel): 4.9 us per collective +
+    # 1.5 us per hop, 25.9 us per small all-reduce at TP 8 (the table implies 24-28 us).
+    "nvlink-h100": LinkPreset(
+        "nvlink-h100", 1.5e-6, 360e9, "H100 SXM NVLink 4, NCCL ring bus bandwidth; latencies fitted", base_s=4.9e-6
+    ),
     # PCIe 4.0 x16: 32 GB/s nominal, ~24 GB/s achieved (P2P off goes through host memory).
     "pcie4": LinkPreset("pcie4", 10e-6, 24e9, "PCIe 4.0 x16, achieved"),
     "ethernet-25g": LinkPreset("ethernet-25g", 25e-6, 25e9 / 8 * 0.9, "25 GbE, 90% line rate"),
@@ -68,16 +74,16 @@ def collective_time(kind: str, nbytes: int, world_size: int, link: LinkPreset) -
     if p <= 1:
         return 0.0
     if kind == "send_recv":  # one hop; sending and receiving overlap (full duplex)
-        return link.alpha_s + nbytes / link.beta_Bps
+        return link.base_s + link.alpha_s + nbytes / link.beta_Bps
     steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
-    return steps * link.alpha_s + steps / p * nbytes / link.beta_Bps
+    return link.base_s + steps * link.alpha_s + steps / p * nbytes / link.beta_Bps
 
 
 def all_to_all_time(sent_bytes: int, received_bytes: int, world_size: int, link: LinkPreset) -> float:
     """Seconds for one rank's part of an all-to-all with unequal splits (bytes to / from OTHER ranks)."""
     if world_size <= 1:
         return 0.0
-    return (world_size - 1) * link.alpha_s + max(sent_bytes, received_bytes) / link.beta_Bps
+    return link.base_s + (world_size - 1) * link.alpha_s + max(sent_bytes, received_bytes) / link.beta_Bps
 
 
 def get_link(name_or_preset: "str | LinkPreset") -> LinkPreset:
@@ -212,3 +218,68 @@ class VirtualClock:
         self._advance()
         self.rebase()
         return self.clock
+
+
+class ClockRecorder:
+    """Records what one run asks of the simulated link's clock (each call, with its arguments) and every real
+    time the clock reads, so that the run can be replayed on other link presets without running it again.
+
+    The compute between collectives does not depend on the link (the stand-in results are the same), so a
+    replay gives exactly what running again on that link would measure, without the run-to-run noise: the
+    presets are compared on the same compute. Only top-level calls are recorded (the clock's own calls to
+    its methods are replayed by it); a wait is recorded by the index of the collective it waits for."""
+
+    CALLS = ("start", "issue", "wait", "rebase", "elapsed")
+
+    def __init__(self, clock: VirtualClock):
+        self.calls: list[tuple[str, tuple, dict]] = []
+        self.times: list[float] = []
+        self._depth = 0
+        self._issue_index: dict[float, int] = {}
+        real_now = clock.now
+
+        def now():
+            t = real_now()
+            self.times.append(t)
+            return t
+
+        clock.now = now
+        for name in self.CALLS:
+            setattr(clock, name, self._recording(name, getattr(clock, name)))
+
+    def _recording(self, name: str, method):
+        def call(*args, **kwargs):
+            if self._depth:  # the clock calling itself: replayed by the replaying clock itself
+                return method(*args, **kwargs)
+            self.calls.append((name, (self._issue_index[args[0]],) if name == "wait" else args, kwargs))
+            self._depth += 1
+            try:
+                out = method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if name == "issue":
+                self._issue_index[out] = len(self._issue_index)
+            return out
+
+        return call
+
+    def replay(self, link, times: "list[float] | None" = None) -> list[dict]:
+        """The recorded calls on a fresh clock over `link` (a preset, or one per mesh dimension) with the
+        recorded compute times; the clock's state at each `elapsed` call (the marks: end of forward, end of
+        backward). `times` maps what the run's clock read to seconds: where the run's `now` was
+        `parallel.device.DeviceClock.mark` (an op count), `times[mark]` is the time after that many ops under
+        a device model."""
+        read = iter(self.times if times is None else [times[m] for m in self.times])
+        clock = VirtualClock(get_links(link), now=lambda: next(read))
+        ready, marks = [], []
+        for name, args, kwargs in self.calls:
+            if name == "issue":
+                ready.append(clock.issue(*args, **kwargs))
+            elif name == "wait":
+                clock.wait(ready[args[0]])
+            elif name == "elapsed":
+                marks.append({"time": clock.elapsed(), "exposed": clock.exposed, "busy": clock.comm_busy,
+                              "exposed_by": dict(clock.exposed_by), "busy_by": dict(clock.busy_by)})  # fmt: skip
+            else:
+                getattr(clock, name)(*args, **kwargs)
+        return marks

@@ -237,12 +237,12 @@ def _simulated_step(ep, tp, t):
     return x, a2a, ar
 
 
-def _a2a_s(link):  # 3 peers' latency + the larger direction (320 B received) over the link
-    return 3 * link.alpha_s + 320 / link.beta_Bps
+def _a2a_s(link):  # one collective's latency, 3 peers' + the larger direction (320 B received) over the link
+    return link.base_s + 3 * link.alpha_s + 320 / link.beta_Bps
 
 
-def _ar_s(link):  # ring all-reduce at P=2: 2 hops, 2 * (1/2) * 4000 B
-    return 2 * link.alpha_s + 4000 / link.beta_Bps
+def _ar_s(link):  # ring all-reduce at P=2: one collective's latency, 2 hops, 2 * (1/2) * 4000 B
+    return link.base_s + 2 * link.alpha_s + 4000 / link.beta_Bps
 
 
 def test_simulated_collectives_use_their_own_group_size(fake_mesh):
@@ -269,7 +269,7 @@ def test_simulated_collectives_use_their_own_group_size(fake_mesh):
         # The split exchange: a blocking all-to-all of 4 int64 counts at P=4 (3/4 of 32 B leave the rank).
         before = clock.elapsed()
         assert comm.exchange_splits([5, 0, 3, 2], ep) == [5, 0, 3, 2]
-        assert clock.elapsed() - before == pytest.approx(3 * nvlink.alpha_s + 24 / nvlink.beta_Bps)
+        assert clock.elapsed() - before == pytest.approx(nvlink.base_s + 3 * nvlink.alpha_s + 24 / nvlink.beta_Bps)
     assert comm.snapshot_counters() == {
         "all_to_all": {"calls": 2, "bytes": (10 + 15) * 32},
         "all_reduce": {"calls": 1, "bytes": 4000},

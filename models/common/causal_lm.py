@@ -293,7 +293,9 @@ class ZooDecoderModel(ZooPreTrainedModel):
                 "of at least one token."
             )
         compiling = torch.compiler.is_compiling()
-        if input_ids is not None and not compiling and not (past_len > 0 and q_len == 1):
+        # Skipped where it cannot read values: under compile, and on the meta device (the speed simulator
+        # runs the real forward without values); and for single-token decode (a host sync per token).
+        if input_ids is not None and not compiling and not input_ids.is_meta and not (past_len > 0 and q_len == 1):
             lowest, highest = torch.aminmax(input_ids)
             lowest, highest, vocab = int(lowest), int(highest), self.config.vocab_size
             if highest >= vocab:

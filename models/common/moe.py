@@ -124,6 +124,14 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     return top_k * math.ceil(capacity_factor * num_tokens / num_experts)
 
 
+def balanced_counts(assignments: int, num_experts: int, capacity: int | None = None) -> list[int]:
+    """`assignments` spread as evenly as they go over `num_experts` (the first ones get one more), each cut
+    to `capacity`: the routing the speed simulator assumes, where the router has no values to choose by."""
+    base, extra = divmod(assignments, num_experts)
+    counts = [base + (e < extra) for e in range(num_experts)]
+    return counts if capacity is None else [min(c, capacity) for c in counts]
+
+
 def count_per_index(index: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0..n-1 occurs in `index` (torch.bincount without its device-to-host sync on CUDA;
     integer sums, so exact in any order)."""
@@ -399,7 +407,7 @@ def dispatch(
     # Expert-sorted order; stable, so each expert's assignments keep their order (earlier tokens first).
     order = torch.argsort(expert_idx, stable=True)
     counts = count_per_index(expert_idx, num_experts)
-    if capacity is not None:
+    if capacity is not None and device.type != "meta":
         first = counts.cumsum(0) - counts
         position = torch.arange(order.numel(), device=device) - first[expert_idx[order]]
         order = order[position < capacity]
@@ -410,9 +418,15 @@ def dispatch(
     token_first = per_token.cumsum(0) - per_token
     slot = torch.empty_like(token_idx)
     slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
-    # The one device-to-host copy of the layer: the split sizes must be known on the host.
-    host = torch.cat([counts, per_token.max().view(1)]).tolist()
-    counts, slots = host[:num_experts], host[num_experts]
+    if device.type == "meta":
+        # The speed simulator (eval.simulate) runs without values: the routing is taken to be the load the
+        # balance loss aims for, the assignments spread evenly over the experts (capacity then applied).
+        counts, slots = balanced_counts(token_idx.numel(), num_experts, capacity), max(1, -(-token_idx.numel() // num_tokens))
+        order = order[: sum(counts)]
+    else:
+        # The one device-to-host copy of the layer: the split sizes must be known on the host.
+        host = torch.cat([counts, per_token.max().view(1)]).tolist()
+        counts, slots = host[:num_experts], host[num_experts]
     count_rows = [counts[r * local : (r + 1) * local] for r in range(ep_size)]  # per destination rank
     send_splits = [sum(row) for row in count_rows]
     if ep_size > 1:

@@ -1,0 +1,179 @@
+"""Speed simulator: an architecture's own `forward()` at any shape, charged to a device model.
+
+    model = build_meta("ladder", config, {"tp": 8})                  # meta device, sharded on a fake mesh
+    run = record_generation(model, batch=4, prompt_len=1024, new_tokens=512)
+    run.predict(DeviceModel(get_device("h100-sxm")), link="nvlink-h100")   # {"tok_s": ..., "prefill": ...}
+
+The model is built on the meta device (no memory: a 70B model at TP 8 is free) and sharded by
+`parallel.parallelize` on PyTorch's fake process group; its real prefill and one real decode step run under
+`parallel.device.DeviceClock` (every aten op recorded as FLOPs and bytes) with `parallel.comm` in simulated
+mode, the link's virtual clock reading the op count as its `now`, and every call to that clock recorded
+(`parallel.link.ClockRecorder`). Nothing about the schedule is written here: where `forward()` issues and
+waits each collective is where the clock sees it. `Recording.predict` replays the run under a device model
+(op times) and a link (collective times), so one recording serves every preset and every fitted constant,
+and the same inputs give the same numbers on any machine.
+
+Generation, as the Ladder paper's reference benchmark (gpt-fast) measures it: a prompt of `prompt_len`
+tokens (prefill, logits of the last position), then `new_tokens - 1` decode steps of one token;
+tokens/s = batch x new_tokens / (prefill + (new_tokens - 1) x decode step). Attention caches: where the
+architecture's cache hook gives the default growing cache, a static cache of prompt + new tokens (rounded up
+to 8) that attention reads in full at every step (the reference's); an architecture's own cache (latent,
+recurrent, per-stream) is used as it is. The decode step is recorded with the cache filled to the middle of
+the generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
+
+import models
+import parallel
+from parallel import comm
+from parallel.device import DeviceClock, DeviceModel
+from parallel.link import ClockRecorder, LinkPreset
+
+# The upper bound: the same run with every collective free.
+NO_COMM = LinkPreset("no-comm", 0.0, float("inf"), "upper bound: communication costs nothing")
+
+
+class StaticKVLayer(StaticLayer):
+    """transformers' static KV layer (buffers of `max_cache_len` tokens, new tokens copied in place,
+    attention over the whole buffer) with its fill level kept as a Python int, so that it runs on the meta
+    device where a tensor counter cannot be read."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.filled = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if self.filled + n > self.max_cache_len:
+            raise ValueError(f"The static cache holds {self.max_cache_len} tokens; {self.filled} + {n} do not fit.")
+        index = torch.arange(self.filled, self.filled + n, device=self.device)
+        self.keys.index_copy_(2, index, key_states)
+        self.values.index_copy_(2, index, value_states)
+        self.filled += n
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+
+def make_cache(model, batch: int, max_len: int, static: bool = True) -> Cache:
+    """The architecture's own cache (its `make_cache` hook), or a static KV cache of `max_len` tokens where
+    that hook gives the default growing one and `static` is asked for."""
+    cache = model.model.make_cache(batch_size=batch, max_cache_len=max_len)
+    if static and type(cache) is DynamicCache:
+        return Cache(layers=[StaticKVLayer(max_len) for _ in range(model.config.num_hidden_layers)])
+    return cache
+
+
+def build_meta(arch: str, config, degrees: dict[str, int], dtype: torch.dtype = torch.bfloat16):
+    """`arch` with `config` on the meta device, sharded for `degrees` on a fake mesh (rank 0's shards).
+    The mesh (a fake process group) stays up until `release()`."""
+    mesh = parallel.init_mesh(**degrees, fake=True)
+    with torch.device("meta"):
+        model = models.get(arch).model_class(config)
+    parallel.parallelize(model, mesh)
+    model.to(dtype)
+    model.eval()
+    return model
+
+
+def release() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class Phase:
+    """One recorded forward: its aten ops (`clock`) and its calls to the link's virtual clock (`recorder`)."""
+
+    clock: DeviceClock
+    recorder: ClockRecorder
+    counts: dict  # collectives sent, per kind ({kind: {"calls", "bytes"}}, parallel.comm's counters)
+
+    def replay(self, device: DeviceModel, link) -> dict:
+        """{time, exposed, busy, overlapped, ...} in seconds: the schedule on `link` with op times under
+        `device`, plus its `contention` of every overlapped second of communication (NCCL kernels share the
+        SMs and HBM bandwidth with the compute they overlap)."""
+        times = self.clock.times(device)
+        (mark,) = self.recorder.replay(link, times)
+        overlapped = max(0.0, mark["busy"] - mark["exposed"])
+        return {
+            "time": mark["time"] + device.contention * overlapped,
+            "exposed": mark["exposed"],
+            "busy": mark["busy"],
+            "overlapped": overlapped,
+            "exposed_by": mark["exposed_by"],  # per collective label (kind), as the link's clock keeps them
+            "busy_by": mark["busy_by"],
+            "compute": times[-1],
+            "kernels": sum(self.clock.kernel),
+            "flops": sum(self.clock.flops),
+            "bytes": sum(self.clock.bytes),
+        }
+
+
+@dataclass
+class Recording:
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    phases: dict[str, Phase]
+
+    def predict(self, device: DeviceModel, link) -> dict:
+        """Prefill and decode-step times (replayed) and the benchmark's tokens/s."""
+        out = {name: phase.replay(device, link) for name, phase in self.phases.items()}
+        total = out["prefill"]["time"] + (self.new_tokens - 1) * out["decode"]["time"]
+        out["tok_s"] = self.batch * self.new_tokens / total
+        out["decode_tok_s"] = self.batch / out["decode"]["time"]
+        return out
+
+
+def _record(model, run, world_size: int, gqa_expand: bool) -> Phase:
+    clock = DeviceClock(gqa_expand=gqa_expand)
+    comm.reset_counters()
+    with comm.use_mode("simulated", link="nvlink-h100", world_size=world_size, now=clock.mark) as vclock:
+        recorder = ClockRecorder(vclock)
+        with clock:
+            vclock.start()
+            run()
+            vclock.elapsed()
+    return Phase(clock, recorder, comm.snapshot_counters())
+
+
+@torch.no_grad()
+def record_generation(
+    model, batch: int, prompt_len: int, new_tokens: int, static_cache: bool = True, gqa_expand: bool = False
+) -> Recording:
+    """Record the prefill of a `prompt_len` prompt and one decode step at the middle of `new_tokens`.
+    `gqa_expand`: attention charged as repeating K and V to every query head first (parallel.device)."""
+    if prompt_len < 1 or new_tokens < 1 or batch < 1:
+        raise ValueError(f"batch={batch}, prompt_len={prompt_len}, new_tokens={new_tokens} must all be >= 1.")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    max_len = -(-(prompt_len + new_tokens) // 8) * 8
+    device = next(model.parameters()).device
+    prompt = torch.zeros(batch, prompt_len, dtype=torch.long, device=device)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+    def prefill():
+        cache = make_cache(model, batch, max_len, static_cache)
+        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        out.logits[:, -1].argmax(-1, keepdim=True)
+
+    # The decode step's cache: filled (not recorded, no link) to the middle of the generation.
+    cache = make_cache(model, batch, max_len, static_cache)
+    with comm.use_mode("none"):
+        middle = torch.zeros(batch, prompt_len + new_tokens // 2, dtype=torch.long, device=device)
+        cache = model(middle, cache=cache, use_cache=True, logits_to_keep=1).cache
+
+    def decode():
+        out = model(token, cache=cache, use_cache=True)
+        out.logits[:, -1].argmax(-1, keepdim=True)
+
+    phases = {"prefill": _record(model, prefill, world, gqa_expand), "decode": _record(model, decode, world, gqa_expand)}
+    return Recording(batch, prompt_len, new_tokens, phases)

@@ -1,0 +1,232 @@
+"""Device model of the speed simulator: every aten operation is charged a roofline time instead of timed.
+
+A model's real `forward()` runs on the meta device (shapes, no values, no memory: a 70B model at TP 8
+costs nothing to build) under `DeviceClock`, a dispatch mode that records each aten operation as one op
+of (FLOPs, HBM bytes, kernel or not). `DeviceClock.mark()` (the number of ops so far) is what the
+simulated link's `VirtualClock` reads as its `now`: the issue and wait points of `forward()` (through
+`parallel.comm`) are kept exactly where the code puts them, and a recorded run is then replayed
+(`parallel.link.ClockRecorder`) with the ops' times under any `DeviceModel`, so one run serves every
+device preset, link preset and fitted constant.
+
+One op's time on a device (roofline, plus a fixed cost per kernel):
+
+    time = max(FLOPs / (peak_flops x eff_flops), bytes / (hbm_Bps x eff_hbm)) + kernel_overhead_s
+
+- FLOPs: PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`: matmuls, attention kernels);
+  every other op is taken to do no arithmetic worth charging (memory-bound).
+- Bytes: the operands' and results' sizes (what a kernel reads and writes once). Exceptions: an op that
+  writes into part of a tensor in place (a static KV cache's `index_copy_`) moves its source, not the whole
+  destination; a gather (`embedding`, `index_select`) reads the rows it returns, not the whole table.
+- Views, aliases and factory ops (`view`, `transpose`, `expand`, `empty`, ...) cost nothing.
+- Fusion (assumed, `fuse_pointwise=True`): the papers' numbers are compiled (torch.compile, CUDA graphs),
+  which fuses chains of elementwise ops into the kernels around them; elementwise ops (aten's `pointwise`
+  tag) cost nothing, everything else (matmuls, attention, reductions such as a norm's mean, copies,
+  concatenations, gathers) is one kernel.
+- Attention: `F.scaled_dot_product_attention` is one fused kernel (flash attention: reads Q, K, V once,
+  writes the output; FLOPs 4 B H Tq Tk d, half of the Tq x Tk square when causal), not the math
+  decomposition the meta device would otherwise run (which materialises the scores and a GQA copy).
+  With grouped KV heads the kernel reads each KV head once (`enable_gqa`); `gqa_expand=True` charges instead
+  what an implementation that repeats K and V to every query head first does (gpt-fast, the Ladder paper's
+  benchmark): one more kernel writing the expanded copy, which attention then reads.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    name: str
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
+    hbm_Bps: float  # HBM bandwidth, bytes/s
+    note: str = ""
+
+
+DEVICES: dict[str, DevicePreset] = {
+    "h100-sxm": DevicePreset("h100-sxm", 989e12, 3.35e12, "H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3"),
+    "h200": DevicePreset("h200", 989e12, 4.8e12, "H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e"),
+    "a100-sxm": DevicePreset("a100-sxm", 312e12, 2.039e12, "A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s"),
+}  # fmt: skip
+
+
+def get_device(name: "str | DevicePreset") -> DevicePreset:
+    if isinstance(name, DevicePreset):
+        return name
+    if name not in DEVICES:
+        raise ValueError(f"Unknown device preset {name!r}; choose one of {sorted(DEVICES)} (or compute=measured).")
+    return DEVICES[name]
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A device preset and the constants that turn an op's FLOPs and bytes into seconds."""
+
+    device: DevicePreset
+    eff_flops: float = 0.6  # fraction of peak FLOP/s a compute-bound kernel reaches
+    eff_hbm: float = 0.7  # fraction of HBM bandwidth a memory-bound kernel reaches
+    kernel_overhead_s: float = 2e-6  # per kernel: launch gap and tail (CUDA graphs keep it small)
+    # Fraction of the communication time that overlaps compute still paid: NCCL's kernels take SMs and HBM
+    # bandwidth from the compute they run beside (added by the replay, `eval.simulate.Phase.replay`).
+    contention: float = 0.0
+
+    def __post_init__(self):
+        for name in ("eff_flops", "eff_hbm"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value!r} must be in (0, 1].")
+        if self.kernel_overhead_s < 0:
+            raise ValueError(f"kernel_overhead_s={self.kernel_overhead_s!r} must be >= 0.")
+        if not 0 <= self.contention <= 1:
+            raise ValueError(f"contention={self.contention!r} must be in [0, 1].")
+
+    def op_time(self, flops: float, nbytes: float, kernel: bool) -> float:
+        if not kernel:
+            return 0.0
+        return (
+            max(flops / (self.device.peak_flops * self.eff_flops), nbytes / (self.device.hbm_Bps * self.eff_hbm))
+            + self.kernel_overhead_s
+        )
+
+
+# Ops that produce no data of their own: views and aliases (also caught by `OpOverload.is_view`),
+# factories whose memory is not read, and metadata queries.
+_FREE = {
+    "aten::detach", "aten::alias", "aten::lift_fresh", "aten::_unsafe_view", "aten::empty", "aten::empty_like",
+    "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided", "aten::scalar_tensor", "aten::arange",
+    "aten::promote_types", "aten::_local_scalar_dense", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
+}  # fmt: skip
+_GATHERS = {"aten::embedding", "aten::index_select", "aten::gather", "aten::index"}
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    for x in tree:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out += _tensors(x)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_pointwise(func) -> bool:
+    return torch.Tag.pointwise in func.tags or func._schema.name in ("aten::_to_copy", "aten::copy_", "aten::clone")
+
+
+class DeviceClock(TorchDispatchMode):
+    """Records every aten op run inside it as (FLOPs, bytes, kernel); `mark()` counts the ops so far.
+
+    Use as a context manager around the run (it also enters a function mode that charges
+    `F.scaled_dot_product_attention` as one fused kernel). `times(model)` gives the cumulative time after
+    each op under a `DeviceModel`: a mark m recorded during the run is at time `times(model)[m]`.
+    """
+
+    def __init__(self, fuse_pointwise: bool = True, gqa_expand: bool = False):
+        super().__init__()
+        self.fuse_pointwise = fuse_pointwise
+        self.gqa_expand = gqa_expand
+        self.flops: list[float] = []
+        self.bytes: list[float] = []
+        self.kernel: list[bool] = []
+        self.names: list[str] = []
+        self._quiet = 0  # > 0 inside a fused kernel already charged (the attention's decomposition)
+        self._attention = _FusedAttention(self)
+
+    def __enter__(self):
+        self._attention.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._attention.__exit__(*exc)
+        return out
+
+    def mark(self) -> int:
+        return len(self.flops)
+
+    def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True) -> None:
+        self.names.append(name)
+        self.flops.append(float(flops))
+        self.bytes.append(float(nbytes))
+        self.kernel.append(kernel)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._quiet:
+            return out
+        name = func._schema.name  # without the overload: "aten::arange", not "aten::arange.start"
+        if func.is_view or name in _FREE:
+            return out
+        packet = func.overloadpacket
+        results = _tensors(out if isinstance(out, (list, tuple)) else [out])
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            nbytes = sum(_nbytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(_nbytes, results))
+            self.charge(name, flops, nbytes)
+        elif name in _GATHERS:
+            self.charge(name, 0, 2 * sum(map(_nbytes, results)))
+        elif func._schema.is_mutable and name not in ("aten::copy_",):
+            # In place into part of a tensor (index_copy_, index_put_, ...): the source moves, read and written.
+            mutated = {id(a) for a, arg in zip(args, func._schema.arguments, strict=False) if arg.alias_info and arg.alias_info.is_write}
+            sources = [t for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in mutated]
+            self.charge(name, 0, 2 * sum(map(_nbytes, sources)))
+        elif self.fuse_pointwise and _is_pointwise(func):
+            self.charge(name, 0, 0, kernel=False)
+        else:
+            inputs = _tensors(list(args) + list(kwargs.values()))
+            self.charge(name, 0, sum(map(_nbytes, inputs)) + sum(map(_nbytes, results)))
+        return out
+
+    def times(self, model: DeviceModel) -> list[float]:
+        """Cumulative seconds after 0, 1, ..., n ops (n + 1 values) under `model` (`op_time` of each op)."""
+        flops, nbytes, kernel = (np.asarray(x, dtype=np.float64) for x in (self.flops, self.bytes, self.kernel))
+        d = model.device
+        per_op = kernel * (
+            np.maximum(flops / (d.peak_flops * model.eff_flops), nbytes / (d.hbm_Bps * model.eff_hbm))
+            + model.kernel_overhead_s
+        )
+        return np.concatenate([[0.0], np.cumsum(per_op)]).tolist()
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Charges `F.scaled_dot_product_attention` as one flash-attention kernel and runs it quietly."""
+
+    def __init__(self, clock: DeviceClock):
+        super().__init__()
+        self.clock = clock
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        b, h, tq, d = q.shape
+        tk = k.shape[-2]
+        flops = 4 * b * h * tq * tk * d
+        if kwargs.get("is_causal") and tq > 1:
+            flops //= 2  # the blocks above the diagonal are skipped
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        kv_bytes = _nbytes(k) + _nbytes(v)
+        if self.clock.gqa_expand and k.shape[-3] < h:
+            expanded = kv_bytes * h // k.shape[-3]  # K and V repeated to every query head
+            self.clock.charge("repeat_kv", 0, kv_bytes + expanded)
+            kv_bytes = expanded
+        nbytes = _nbytes(q) + kv_bytes + _nbytes(q) * v.shape[-1] // d
+        if isinstance(mask, torch.Tensor):
+            nbytes += _nbytes(mask)
+        self.clock.charge("scaled_dot_product_attention", flops, nbytes)
+        self.clock._quiet += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.clock._quiet -= 1
