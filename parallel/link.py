@@ -51,6 +51,11 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     "nvlink-h100": LinkPreset(
         "nvlink-h100", 1.5e-6, 360e9, "H100 SXM NVLink 4, NCCL ring bus bandwidth; latencies fitted", base_s=4.9e-6
     ),
+    # NVLink 3 on A100 SXM (NVSwitch): 300 GB/s per direction nominal, ~230 GB/s NCCL bus bandwidth; latencies
+    # taken from the H100 fit above (assumed: the same NCCL protocol costs, not measured).
+    "nvlink-a100": LinkPreset(
+        "nvlink-a100", 1.5e-6, 230e9, "A100 SXM NVLink 3 via NVSwitch; latencies assumed as nvlink-h100's", base_s=4.9e-6
+    ),
     # PCIe 4.0 x16: 32 GB/s nominal, ~24 GB/s achieved (P2P off goes through host memory).
     "pcie4": LinkPreset("pcie4", 10e-6, 24e9, "PCIe 4.0 x16, achieved"),
     "ethernet-25g": LinkPreset("ethernet-25g", 25e-6, 25e9 / 8 * 0.9, "25 GbE, 90% line rate"),

@@ -1,0 +1,154 @@
+"""What would each architecture buy at scale? `python -m eval.at_scale [out_dir=reports/at-scale]`.
+
+One `eval.bench` run per entry of `runs` (conf/at_scale.yaml) with `compute=<device preset>`: the speed
+simulator (eval/simulate.py) runs each architecture's own `forward()` at the run's shape on the meta device,
+sharded on a fake process group, every aten op charged to the device model that eval.costmodel fitted to the
+Ladder paper's 70B table (reports/costmodel) and every collective to the link model. Nothing is timed on this
+machine; the numbers are the same on any machine. Each run's rows are set against its baseline, beside the
+published number of the architecture where one exists (`published`), and written to one README with the
+bench runs' own reports under it.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import hydra
+from hydra import compose
+from omegaconf import DictConfig, OmegaConf
+
+from eval import bench_report, report
+from eval.bench import run_bench
+
+COLUMNS = [
+    ("run", "run"),
+    ("arch", "arch"),
+    ("against", "against"),
+    ("at", "at"),
+    ("batch", "batch"),
+    ("tok_s", "tokens/s"),
+    ("speedup_total", "speed-up (tokens/s)"),
+    ("speedup_prefill", "prefill speed-up"),
+    ("speedup_decode", "decode speed-up"),
+    ("ttft_change", "time to first token, change"),
+    ("exposed_share", "link time exposed (decode)"),
+    ("collectives", "collectives/step"),
+]
+MOE_COLUMNS = [("a2a_hidden", "all-to-all hidden (decode)"), ("a2a_published", "published hidden")]
+
+
+def scale_rows(name: str, results: dict) -> list[dict]:
+    """The simulated rows of one bench run, each with its speed-ups over the run's baseline."""
+    base_name = results["settings"]["baseline"]
+    rows = [r for r in results["rows"] if r["variant"] == "simulated"]
+    index = {(r["arch"], r["link"], r["batch"], bench_report.degrees_key(r["degrees"])): r for r in rows}
+    out = []
+    for r in rows:
+        base = index.get((base_name, r["link"], r["batch"], bench_report.degrees_key(r["degrees"])))
+        out.append({
+            "run": name,
+            "arch": r["arch"],
+            "against": base_name,
+            "at": f"{bench_report.degrees_label(r['degrees'])}, {r['link']}",
+            "batch": r["batch"],
+            "tok_s": r["total_tok_s"],
+            "speedup_total": r["total_tok_s"] / base["total_tok_s"] if base else None,
+            "speedup_prefill": r.get("speedup_prefill"),
+            "speedup_decode": r.get("speedup_decode"),
+            # prefill time over the baseline's, as a change: -0.3 = 30% less time to the first token
+            "ttft_change": 1 / r["speedup_prefill"] - 1 if r.get("speedup_prefill") else None,
+            "exposed_share": r.get("decode_exposed_share"),
+            "collectives": r.get("decode_comm_calls"),
+            "prompt_len": results["settings"]["prompt_len"],
+            "a2a_hidden": r.get("decode_a2a_hidden_share"),
+            "a2a_published": r.get("a2a_hidden_anchor"),
+        })  # fmt: skip
+    return out
+
+
+def run_all(cfg: DictConfig, out_dir: Path) -> dict:
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs, rows, skipped = {}, [], []
+    for name, spec in cfg.runs.items():
+        # A run with `prompt_lens` runs once per prompt length (e.g. the Kraken paper's contexts 128 and 2048).
+        for prompt_len in spec.get("prompt_lens") or [None]:
+            label = name if prompt_len is None else f"{name}@{prompt_len}"
+            overrides = [*cfg.common, *spec.overrides, *([f"prompt_len={prompt_len}"] if prompt_len else [])]
+            c = compose(config_name="bench", overrides=overrides)
+            plain = OmegaConf.to_container(c, resolve=False)
+            settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
+            print(f"[at_scale] {label}: python -m eval.bench {' '.join(overrides)}", flush=True)
+            results = run_bench(settings, out_dir / label, None, " ".join(["python -m eval.bench", *overrides]))
+            runs[label] = {"title": spec.title + ("" if prompt_len is None else f", prompt {prompt_len}"),
+                           "command": results["command"], "compute": results["compute"]}  # fmt: skip
+            rows += scale_rows(label, results)
+            skipped += [f"{label}: {s}" for s in results["skipped"]]
+    published = OmegaConf.to_container(cfg.published)
+    result = {"runs": runs, "rows": rows, "skipped": skipped, "published": published,
+              "elapsed_s": time.perf_counter() - started}  # fmt: skip
+    report.write_json(out_dir / "at_scale.json", result)
+    (out_dir / "README.md").write_text(markdown(result), encoding="utf-8")
+    return result
+
+
+def ttft_summary(rows: list[dict]) -> list[str]:
+    """Per architecture measured at several prompt lengths (runs with `prompt_lens`): the geometric mean of its
+    time-to-first-token change over those rows (the Kraken paper reports its TTFT reduction that way)."""
+    by_arch: dict[str, list[float]] = {}
+    for r in rows:
+        if "@" in r["run"] and r["arch"] != r["against"] and r["ttft_change"] is not None:
+            by_arch.setdefault(r["arch"], []).append(1 + r["ttft_change"])
+    lines = []
+    for arch, ratios in by_arch.items():
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines += [f"**{arch}: time to first token {geomean - 1:+.1%}** (geometric mean over the {len(ratios)} "
+                  "prompt-length x shape x TP rows above).", ""]  # fmt: skip
+    return lines
+
+
+def markdown(result: dict) -> str:
+    compute = next(iter(result["runs"].values()))["compute"]
+    dm = compute.get("device_model", {})
+    lines = [
+        "# What would it buy at scale? (speed simulator)",
+        "",
+        "`python -m eval.at_scale`: predicted, not measured. Each architecture's own `forward()` at the run's "
+        "shape on the meta device, sharded on a fake process group; every aten op charged to the device model "
+        f"(`{compute.get('setting')}`" + (f", constants {json.dumps(dm)}" if dm else "") + ") that "
+        "eval.costmodel fitted to the Ladder paper's 70B table (reports/costmodel: every cell within 10%), every "
+        "collective to the link model. Generation as the Ladder paper's benchmark unless a run's command says "
+        "otherwise (the Kraken runs: 8 x A100, prompts of 128 and 2048 tokens, time to first token): prompt 1024, "
+        "512 new tokens, a static KV cache; tokens/s = batch x new tokens / (prefill + (new tokens - 1) decode "
+        "steps). Speed-ups are over the run's baseline on the same link; time to first token, change = prefill "
+        "time over the baseline's, minus 1. The same numbers come out on any machine "
+        f"({result['elapsed_s']:.0f} s here, 2 CPU cores).",
+        "",
+    ]
+    for name, run in result["runs"].items():
+        rows = [r for r in result["rows"] if r["run"] == name]
+        columns = COLUMNS + (MOE_COLUMNS if any(r["a2a_hidden"] is not None for r in rows) else [])
+        lines += [f"## {run['title']}", "", f"`{run['command']}` ([its bench report]({name}/README.md))", "",
+                  report.write_markdown_table([r for r in rows if r["arch"] != r["against"]] or rows, columns), ""]  # fmt: skip
+    lines += ttft_summary(result["rows"])
+    lines += ["## Published numbers", "", "Their settings differ from the rows above where they say so.", ""]
+    lines += [f"- **{arch}**: {text}" for arch, text in result["published"].items()]
+    lines.append("")
+    if result["skipped"]:
+        lines += ["## Not predicted", ""] + [f"- {s}" for s in result["skipped"]] + [""]
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf", config_name="at_scale", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    result = run_all(cfg, out_dir)
+    print(markdown(result), flush=True)
+    print(f"[at_scale] -> {out_dir}/README.md", flush=True)
+
+
+if __name__ == "__main__":
+    main()
