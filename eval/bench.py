@@ -46,7 +46,11 @@ each layer beside the first's: its own rows, in results.json under "expert_throu
 sequences, per method (LASP-2 and LASP-1 on a linear layer, LASP-2H and ring attention on a softmax layer;
 parallel/sequence.py): bytes per layer vs N and P counted on the meta device beside the spec's formulas, and
 the simulated-link forward + backward time of one rank of a P-way fake process group (rank 0 and / or P-1),
-compute measured for real, each run replayed on every link preset; in results.json under "sequence_parallel".
+each run replayed on every link preset; in results.json under "sequence_parallel". Its compute follows
+`compute`: measured for real (points within `max_chunk` / `max_attended`), or with a device preset predicted by
+the device model (`sequence_parallel_predicted`: the trunk on the meta device in bfloat16, the forward's and the
+backward's aten ops charged, one deterministic run per row, any N and P: `device_points` adds the LASP-2 paper's
+2048K tokens on 64 ranks).
 
 `decode_paths` (off by default; `bench_preset=gqla`): on one device, decode tokens/s of each architecture on each
 of its decode-path variants (`decode_paths.paths`, e.g. two exact paths over the same weights), per batch size
@@ -68,14 +72,17 @@ import socket
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 import transformers
 from omegaconf import DictConfig, OmegaConf
+from torch.overrides import TorchFunctionMode
 
 import models
 import parallel
@@ -85,7 +92,7 @@ from models.common import RMSNorm, SwiGLUMLP
 from models.common.attention import make_causal_mask
 from models.common.moe import GroupedExperts, TopKRouter
 from parallel import comm
-from parallel.device import DEVICES, DeviceModel, get_device
+from parallel.device import DEVICES, DeviceClock, DeviceModel, get_device
 from parallel.link import LINK_PRESETS, ClockRecorder
 from parallel.mesh import DIM_ORDER
 
@@ -862,16 +869,20 @@ def sp_config(cfg: dict, method: str, p: int):
 
 
 def sp_timed_points(cfg: dict) -> tuple[list[tuple[int, int]], list[str]]:
-    """The (N, P) points timed and a note for each left out: one whose chunk N/P is over `max_chunk` (CPU time
-    and memory grow with the chunk; the byte counts cover every point, on the meta device)."""
+    """The (N, P) points timed and a note for each left out. Measured compute: every N of `lengths` at every P of
+    `sp` whose chunk N/P is within `max_chunk` (CPU time and memory grow with the chunk; the byte counts cover
+    every point, on the meta device). With a device preset as `compute` nothing is computed, so no limit applies
+    and the `device_points` (the LASP-2 paper's 2048K tokens on 64 ranks) are timed too."""
     sp = cfg["sequence_parallel"]
+    pairs = [(n, p) for n in sp["lengths"] for p in sp["sp"]]
+    if predicted(cfg):
+        return list(dict.fromkeys(pairs + [(e["n"], e["sp"]) for e in sp.get("device_points") or []])), []
     points, skipped = [], []
-    for n in sp["lengths"]:
-        for p in sp["sp"]:
-            if n // p > sp["max_chunk"]:
-                skipped.append(f"N={n}, P={p}: chunk N/P={n // p} tokens is over max_chunk={sp['max_chunk']}.")
-            else:
-                points.append((n, p))
+    for n, p in pairs:
+        if n // p > sp["max_chunk"]:
+            skipped.append(f"N={n}, P={p}: chunk N/P={n // p} tokens is over max_chunk={sp['max_chunk']}.")
+        else:
+            points.append((n, p))
     return points, skipped
 
 
@@ -894,7 +905,8 @@ def check_sequence_parallel(cfg: dict) -> None:
         raise ValueError(f"sequence_parallel.ranks {list(sp['ranks'])} must be some of {list(SP_RANKS)} (rank 0 or P-1).")
     for what, lengths, degrees in (("", sp["lengths"], sp["sp"]), ("bytes.", sp["bytes"]["lengths"], sp["bytes"]["sp"])):
         pairs = [(n, p) for n in lengths for p in degrees]
-        pairs += [(e["n"], e["sp"]) for e in (sp["bytes"].get("extra_points") or [])] if what else []
+        extra = sp["bytes"].get("extra_points") if what else sp.get("device_points")
+        pairs += [(e["n"], e["sp"]) for e in extra or []]
         for n, p in pairs:
             if isinstance(p, bool) or not isinstance(p, int) or p < 2:
                 raise ValueError(f"sequence_parallel.{what}sp degree {p!r} must be an integer >= 2 (one rank has no communication).")
@@ -906,6 +918,10 @@ def check_sequence_parallel(cfg: dict) -> None:
     for link in sp["links"]:
         if link not in LINK_PRESETS:
             raise ValueError(f"Unknown link preset {link!r} in sequence_parallel.links; choose from {sorted(LINK_PRESETS)}.")
+    if sp.get("device_kernels", "gpu") not in SP_DEVICE_KERNELS:
+        raise ValueError(
+            f"sequence_parallel.device_kernels={sp['device_kernels']!r} must be one of {list(SP_DEVICE_KERNELS)}."
+        )
     if sp["repeats"] < 1 or sp["warmup"] < 0 or sp["batch"] < 1:
         raise ValueError("sequence_parallel needs repeats >= 1, warmup >= 0 and batch >= 1.")
     for method in sp["methods"]:
@@ -965,12 +981,14 @@ def sp_inputs(trunk, n: int, p: int, batch: int, seed: int, device: torch.device
     return {"x": x, "grad": grad, "rotary": rotary, "mask": mask}
 
 
-def sp_run_once(trunk, inputs: dict, p: int, link: str, sync=None) -> dict:
+def sp_run_once(trunk, inputs: dict, p: int, link: str, sync=None, now=None) -> dict:
     """One forward + backward of the trunk's layers on this rank's chunk, collectives on the simulated link
-    (recorded for replay on every preset), counters per phase."""
+    (recorded for replay on every preset), counters per phase. `now`: what the link's clock reads as the time
+    (default: wall time; `parallel.device.DeviceClock.mark` for a device model, whose op count at the end of
+    the forward is returned as `fwd_ops`)."""
     trunk.zero_grad(set_to_none=True)
     x = inputs["x"].detach().requires_grad_()
-    with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
+    with comm.use_mode("simulated", link=link, world_size=p, sync=sync, now=now) as clock:
         recorder = ClockRecorder(clock)
         comm.reset_counters()
         clock.start()
@@ -978,13 +996,182 @@ def sp_run_once(trunk, inputs: dict, p: int, link: str, sync=None) -> dict:
         for layer in trunk.layers:
             h = layer(h, inputs["rotary"], inputs["mask"], None)
         clock.elapsed()  # mark: end of the forward
+        fwd_ops = None if now is None else now()  # read past the recorder: not part of the replay
         forward = comm.snapshot_counters()
         comm.reset_counters()
         clock.rebase()  # the counter bookkeeping is not compute
         h.backward(inputs["grad"])
         clock.elapsed()  # mark: end of the backward
         backward = comm.snapshot_counters()
-    return {"recorder": recorder, "counts": {"fwd": forward, "bwd": backward}}
+    return {"recorder": recorder, "counts": {"fwd": forward, "bwd": backward}, "fwd_ops": fwd_ops}
+
+
+# With a device preset, how the sequence-parallel rows charge the two kernels whose GPU version the meta device does
+# not run (`sequence_parallel.device_kernels`): `gpu` as a GPU runs them, `as_run` every aten op as the meta device
+# runs them.
+SP_DEVICE_KERNELS = {
+    "gpu": "the linear layers' intra-chunk kernel charged as fla's chunk kernel (what models/linear/ops.py runs on "
+           "CUDA; the meta device runs the CPU chunked kernel instead, one kernel per op per 64-token chunk and a "
+           "full-size slice gradient per chunk in the backward) and the backward of F.scaled_dot_product_attention "
+           "as flash attention's (2.5x the forward's FLOPs, Q, K, V, O, dO read once; the meta device differentiates "
+           "the math decomposition, which materialises the scores)",
+    "as_run": "every aten op charged as the meta device runs it (the CPU chunked kernel of the linear layers, the "
+              "math decomposition's backward of scaled_dot_product_attention)",
+}  # fmt: skip
+FLA_CHUNK = 64  # fla's chunk_simple_gla: tokens per chunk (BT)
+
+
+@contextmanager
+def _quiet(clock: DeviceClock):
+    """Ops run inside are not charged (a fused kernel charged as one; parallel.device uses the same counter)."""
+    clock._quiet += 1
+    try:
+        yield
+    finally:
+        clock._quiet -= 1
+
+
+class _ChargedKernel(torch.autograd.Function):
+    """`fn(*tensors)` run quietly under a DeviceClock, the costs of a fused kernel charged instead: `forward`
+    [(name, FLOPs, bytes)] when it runs, `backward` when its gradient is taken (also quietly)."""
+
+    @staticmethod
+    def forward(ctx, clock, fn, forward, backward, *tensors):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with torch.enable_grad(), _quiet(clock):
+            out = fn(*leaves)
+        for name, flops, nbytes in forward:
+            clock.charge(name, flops, nbytes)
+        ctx.clock, ctx.costs, ctx.graph = clock, backward, (out, leaves)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, leaves = ctx.graph
+        del ctx.graph
+        wanted = [x for x in leaves if x.requires_grad]
+        with _quiet(ctx.clock):
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        for name, flops, nbytes in ctx.costs:
+            ctx.clock.charge(name, flops, nbytes)
+        return (None, None, None, None, *(next(found) if x.requires_grad else None for x in leaves))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def fla_chunk_costs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+    """(forward, backward) kernels of fla's chunk_simple_gla on [B, H, T, D] inputs, as (name, FLOPs, bytes), chunks
+    of BT = 64 tokens with per-chunk states h [B, H, T/BT, d_k, d_v] kept in the input dtype:
+
+    - forward: chunk_fwd_h (the states: k^T v per chunk, 2 T d_k d_v per head), chunk_fwd_o (intra-chunk
+      (Q K^T) V, 2 T BT (d_k + d_v), plus Q h, 2 T d_k d_v);
+    - backward: chunk_fwd_h again (recomputed), chunk_bwd_dh (dh from Q and dO), the dQ / dK kernel (dO V^T, dS K,
+      dS^T Q within chunks and dO h^T, V dh^T across them) and the dV kernel ((Q K^T)^T dO and K dh): about 2.75x the
+      forward's FLOPs at d = BT = 64.
+    The decay's gradient (a learned decay) is not charged: a few elementwise passes."""
+    b, h, t, dk = q.shape
+    dv, e = v.shape[-1], q.element_size()
+    bt = min(FLA_CHUNK, t)
+    states = b * h * -(-t // FLA_CHUNK) * dk * dv * e
+    nq, nk, nv = _nbytes(q), _nbytes(k), _nbytes(v)
+    no = nv  # O and dO: [B, H, T, d_v] in the input dtype
+    kv = 2 * b * h * t * dk * dv  # one pass of T x d_k x d_v products (states, Q h, ...)
+    qk, av = 2 * b * h * t * bt * dk, 2 * b * h * t * bt * dv  # one intra-chunk product each
+    fwd_h = ("fla:chunk_fwd_h", kv, nk + nv + states)
+    forward = [fwd_h, ("fla:chunk_fwd_o", qk + av + kv, nq + nk + nv + states + no)]
+    backward = [
+        fwd_h,
+        ("fla:chunk_bwd_dh", kv, nq + no + states),
+        ("fla:chunk_bwd_dqk", av + 2 * qk + 2 * kv, nq + nk + nv + no + 2 * states + nq + nk),
+        ("fla:chunk_bwd_dv", qk + av + kv, nq + nk + no + states + nv),
+    ]
+    return forward, backward
+
+
+def fla_intra(clock: DeviceClock, kernel):
+    """The intra-chunk kernel `kernel(q, k, v, log_decay)` (a LinearAttention's `intra_chunk`), run quietly with
+    fla's chunk kernel charged for it (`fla_chunk_costs`)."""
+
+    def intra(q, k, v, log_decay):
+        tensors = (q, k, v) if log_decay is None else (q, k, v, log_decay)
+        forward, backward = fla_chunk_costs(q, k, v)
+        return _ChargedKernel.apply(clock, lambda q, k, v, g=None: kernel(q, k, v, g), forward, backward, *tensors)
+
+    return intra
+
+
+def flash_backward_cost(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> tuple:
+    """Flash attention's backward as one kernel (name, FLOPs, bytes): 2.5x the forward's FLOPs (FlashAttention-2:
+    five Tq x Tk x d products to the forward's two; causal halves both), reading Q, K, V, O, dO (and a mask) and
+    writing dQ, dK, dV once (the forward's charge: parallel.device._FusedAttention)."""
+    b, h, tq, d = q.shape
+    flops = 4 * b * h * tq * k.shape[-2] * d
+    if kwargs.get("is_causal") and tq > 1:
+        flops //= 2
+    nbytes = 2 * (_nbytes(q) + _nbytes(k) + _nbytes(v)) + 2 * _nbytes(q) * v.shape[-1] // d
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor):
+        nbytes += _nbytes(mask)
+    return ("flash_attention_backward", flops * 5 // 2, nbytes)
+
+
+class _FlashBackward(TorchFunctionMode):
+    """Under a DeviceClock: F.scaled_dot_product_attention's backward charged as flash attention's (its forward
+    stays parallel.device's fused charge), the math decomposition's backward run quietly."""
+
+    def __init__(self, clock: DeviceClock):
+        super().__init__()
+        self.clock = clock
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        q, k, v, rest = *args[:3], args[3:]
+        if rest:  # positional attn_mask, dropout_p, is_causal: as keywords
+            kwargs = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), rest, strict=False)), **kwargs}
+        if not any(t.requires_grad for t in (q, k, v)):
+            return func(q, k, v, **kwargs)
+        cost = flash_backward_cost(q, k, v, kwargs)
+        return _ChargedKernel.apply(self.clock, lambda q, k, v: func(q, k, v, **kwargs), [], [cost], q, k, v)
+
+
+def sp_record(trunk, inputs: dict, p: int, link: str, kernels: str = "gpu") -> dict:
+    """`sp_run_once` on the meta device under a `DeviceClock`: every aten op of the forward and the backward
+    (autograd runs the backward's ops through the same dispatch mode) recorded as FLOPs and bytes, the link's
+    clock reading the op count. `kernels` (SP_DEVICE_KERNELS): `gpu` charges the linear layers' intra-chunk
+    kernel as fla's and attention's backward as flash attention's. `times` (a `DeviceModel`'s cumulative op
+    times) turns the recording into seconds."""
+    from models.linear.modeling import LinearAttention
+
+    clock, patched = DeviceClock(), []
+    with clock, ExitStack() as stack:
+        if kernels == "gpu":
+            stack.enter_context(_FlashBackward(clock))
+            for attn in (layer.self_attn for layer in trunk.layers):
+                if isinstance(attn, LinearAttention):
+                    attn.intra_chunk = fla_intra(clock, attn.intra_chunk)  # shadows the method on this instance
+                    patched.append(attn)
+        try:
+            run = sp_run_once(trunk, inputs, p, link, now=clock.mark)
+        finally:
+            for attn in patched:
+                del attn.intra_chunk
+    return {**run, "clock": clock}
+
+
+def sp_compute_columns(clock: DeviceClock, fwd_ops: int, times: list[float], layers: int) -> dict:
+    """Per layer, of forward and backward apart: the device model's compute ms, kernels, FLOPs and HBM bytes."""
+    out = {}
+    for phase, ops in (("fwd", slice(0, fwd_ops)), ("bwd", slice(fwd_ops, None))):
+        start, stop = ops.start, len(clock.flops) if ops.stop is None else ops.stop
+        out[f"{phase}_compute_ms"] = 1e3 * (times[stop] - times[start]) / layers
+        out[f"{phase}_kernels"] = sum(clock.kernel[ops]) / layers
+        out[f"{phase}_flops"] = sum(clock.flops[ops]) / layers
+        out[f"{phase}_hbm_bytes"] = sum(clock.bytes[ops]) / layers
+    return out
 
 
 def sp_link_bytes(counts: dict, p: int) -> int:
@@ -1083,7 +1270,8 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
     layer), one process plays one rank of a P-way fake process group in simulated mode.
 
     - `bytes`: bytes per layer per rank vs N and P, counted (meta device) beside the spec's formula;
-    - `timed`: per (N, P) within `max_chunk`, rank played (`first` = 0, `last` = P-1: softmax layers are
+    - `timed` (measured compute; with a device preset `sequence_parallel_predicted`): per (N, P) within
+      `max_chunk`, rank played (`first` = 0, `last` = P-1: softmax layers are
       unbalanced, the last rank attends to every chunk and sets the step time) and link preset, the virtual
       clock of one forward + backward of the shape's layers: this rank's compute measured for real on this
       device, each collective on the link, exposed where the compute issued before its wait does not cover it.
@@ -1091,6 +1279,8 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
       (`ClockRecorder`). A softmax method whose rank would score more than `max_attended` (query, key) pairs
       is skipped at that point (CPU time).
     """
+    if predicted(cfg):
+        return sequence_parallel_predicted(cfg)
     sp = cfg["sequence_parallel"]
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     points, skipped = sp_timed_points(cfg)
@@ -1132,12 +1322,54 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
     return {"timed": rows, "skipped": skipped}
 
 
-def _sp_timed_rows(cfg, method, n, p, rank_label, rank, runs, dtype) -> list[dict]:
-    """One row per link preset: medians (and min-max) over the repeats of the replayed clock, per layer."""
+def sequence_parallel_predicted(cfg: dict) -> dict:
+    """The `timed` rows of `sequence_parallel` with a device preset as `compute`: the trunk built on the meta
+    device in bfloat16 (SIMULATED_DTYPE) and its inputs there, one forward + backward per (N, P, rank, method)
+    recorded under `DeviceClock` (`sp_record`) and replayed on every link preset with the device model's op
+    times, plus its `contention` of every overlapped second of communication (as `eval.simulate.Phase.replay`).
+    Nothing is computed: one deterministic run per row (no warm-up, no repeats), any N and P (no max_chunk or
+    max_attended), the `device_points` included."""
+    sp, dtype, meta = cfg["sequence_parallel"], SIMULATED_DTYPE, torch.device("meta")
+    dm = device_model(cfg)
+    points, skipped = sp_timed_points(cfg)
+    rows = []
+    started = time.perf_counter()
+    try:
+        for p in sorted({p for _, p in points}):
+            for rank_label in sp["ranks"]:
+                rank = sp_rank(rank_label, p)
+                mesh = fake_sp_mesh(p, rank)
+                trunks = {m: build_sp_trunk(cfg, m, p, mesh, meta, dtype) for m in sp["methods"]}
+                for n in sorted(n for n, q in points if q == p):
+                    for m in sp["methods"]:
+                        inputs = sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], meta, dtype)
+                        run = sp_record(trunks[m], inputs, p, sp["links"][0], sp.get("device_kernels", "gpu"))
+                        run["times"] = run["clock"].times(dm)
+                        rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, [run], dtype, dm)
+                    print(f"[bench] sequence parallel (device model {dm.device.name}) N={n} P={p} rank {rank_label} "
+                          f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+                del trunks
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"timed": rows, "skipped": skipped}
+
+
+def _sp_timed_rows(cfg, method, n, p, rank_label, rank, runs, dtype, dm: DeviceModel | None = None) -> list[dict]:
+    """One row per link preset: medians (and min-max) over the repeats of the replayed clock, per layer. With a
+    device model `dm` (one recorded run, `sp_record`): its op times, and its contention added to the time."""
     base = _sp_row(cfg, method, n, p, rank_label, rank, runs[-1]["counts"], dtype)
     layers, out = base["layers"], []
+    if dm is not None:
+        (run,) = runs
+        base.update(sp_compute_columns(run["clock"], run["fwd_ops"], run["times"], layers))
+    contention = 0.0 if dm is None else dm.contention
     for link in cfg["sequence_parallel"]["links"]:
-        marks = [run["recorder"].replay(link) for run in runs]
+        marks = [run["recorder"].replay(link, run.get("times")) for run in runs]
+        for mark in (m for pair in marks for m in pair):
+            # NCCL's kernels share the SMs and HBM with the compute they overlap (device model only).
+            mark["overlapped"] = max(0.0, mark["busy"] - mark["exposed"])
+            mark["time"] += contention * mark["overlapped"]
         row = {**base, "link": link}
         for key, values in (("fwd_ms", [f["time"] for f, _ in marks]), ("fwd_bwd_ms", [t["time"] for _, t in marks])):
             values = [1e3 * v / layers for v in values]
@@ -1152,8 +1384,13 @@ def _sp_timed_rows(cfg, method, n, p, rank_label, rank, runs, dtype) -> list[dic
         row["fwd_link_ms"] = 1e3 * fwd["busy"] / layers
         row["bwd_link_ms"] = 1e3 * (total["busy"] - fwd["busy"]) / layers
         row["link_ms"] = 1e3 * total["busy"] / layers
-        # What the clock counted as compute (this device's), per run: the time less the exposed communication.
-        row["compute_ms"] = statistics.median(1e3 * (t["time"] - t["exposed"]) / layers for _, t in marks)
+        # What the clock counted as compute (this device's, or the device model's), per run: the time less the
+        # exposed communication (and less the contention, which is the communication's).
+        row["compute_ms"] = statistics.median(
+            1e3 * (t["time"] - t["exposed"] - contention * t["overlapped"]) / layers for _, t in marks
+        )
+        if dm is not None:
+            row["contention_ms"] = 1e3 * contention * total["overlapped"] / layers
         out.append(row)
     return out
 
@@ -1356,7 +1593,17 @@ def decode_paths(cfg: dict, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:
-    """Run every variant, write results.json, README.md and PNGs to `out_dir`, log to W&B if asked."""
+    """Run every variant, write results.json, README.md and PNGs to `out_dir`, log to W&B if asked. The
+    process's torch thread count (set for the bench's own timing, `threads`) is put back afterwards, so that
+    a caller (the tour, eval.at_scale, a test) computes as before."""
+    threads_before = torch.get_num_threads()
+    try:
+        return _run_bench(cfg, out_dir, wandb_cfg, command)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None, command: str) -> dict:
     device, dtype = resolve_device(cfg)
     cfg = resolve_real(cfg, device.type)
     archs_at, skipped = check_settings(cfg)
@@ -1391,8 +1638,14 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
         print(f"[bench] expert throughput done ({time.perf_counter() - started:.0f} s)", flush=True)
     sp = {}
     if (cfg.get("sequence_parallel") or {}).get("enabled"):
-        sp = {"bytes": sp_bytes_rows(cfg, dtype), **sequence_parallel(cfg, device, dtype)}
+        # With a device preset, a GPU's dtype throughout (K and V of the softmax layers move in it).
+        sp_dtype = SIMULATED_DTYPE if predicted(cfg) else dtype
+        sp = {"bytes": sp_bytes_rows(cfg, sp_dtype), **sequence_parallel(cfg, device, sp_dtype)}
         sp["methods"] = {m: SP_METHODS[m] for m in cfg["sequence_parallel"]["methods"]}
+        sp["dtype"] = str(sp_dtype).removeprefix("torch.")
+        if predicted(cfg):
+            kernels = cfg["sequence_parallel"].get("device_kernels", "gpu")
+            sp["device_kernels"] = {"setting": kernels, "what": SP_DEVICE_KERNELS[kernels]}
         bench_report.add_sp_comparisons(sp, cfg)
         print(f"[bench] sequence parallel done ({time.perf_counter() - started:.0f} s)", flush=True)
     paths = {}

@@ -300,8 +300,9 @@ def device_model_note(cfg: dict) -> str:
 
 def notes_for(cfg: dict, device_type: str, hw: dict, rows: list[dict] = ()) -> list[str]:
     if (cfg.get("compute") or "measured") != "measured":
-        # No CPU compute, no gloo ranks, no shared load in these rows: only the device model's note applies.
-        return [device_model_note(cfg)]
+        # No CPU compute, no gloo ranks, no shared load in these rows: only the device model's note applies (to
+        # the generation rows; the sequence-parallel section, alone in bench_preset=sp, says its own).
+        return [device_model_note(cfg)] if rows else []
     notes = [
         "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
         "they show what each schedule hides on that link, not what this machine would do with P devices."
@@ -428,6 +429,73 @@ SP_BYTES_NOTE = (
 )
 
 
+MEASURED_HEADLINE_NOTE = (
+    "> Only the communication side is comparable with the paper. Our compute is this machine's at a small "
+    "shape: a layer's forward + backward here takes orders of magnitude longer than its link time on any "
+    "preset, so every schedule hides almost everything and the measured speed-ups are compute and noise "
+    "(a shared CPU), not communication; against ring attention they also compare a softmax layer's compute "
+    "with a linear layer's. What carries over is the exposed communication per layer (and the bytes and "
+    "link times above) and how it grows with P and N. At small chunks LASP-1 also pays on the compute side: "
+    "each of its 2 (P-1) serial hops is a call of its own (Python here, a kernel launch and a NCCL call on "
+    "GPUs), which the clock counts as compute. Paper-scale compute: `compute=h100-sxm` (the device model's "
+    "prediction, any N and P, the paper's point included)."
+)
+
+
+def sp_device_model_text(compute: dict) -> str:
+    """The device model's constants, in words, for the sequence-parallel section."""
+    d = compute["device"]
+    return (
+        f"{d['peak_flops'] / 1e12:.0f} TFLOP/s, {d['hbm_Bps'] / 1e12:.2f} TB/s HBM; every aten op of the forward and "
+        f"the backward of the trunk, built on the meta device in {compute['dtype']}, charged max(FLOPs / (peak x "
+        f"{compute['eff_flops']}), bytes / (HBM x {compute['eff_hbm']})) + {compute['kernel_overhead_us']:.3g} us per "
+        f"kernel, elementwise ops fused; contention {compute['contention']} of every overlapped second of "
+        "communication added; nothing timed on this machine"
+    )
+
+
+def sp_kernels(sp: dict) -> str:
+    return (sp.get("device_kernels") or {}).get("setting", "as_run")
+
+
+def sp_predicted_headline(sp: dict, compute: dict) -> list[str]:
+    """Below the headline table with a device preset: what the compute is, and the device model's compute per
+    layer of each method at the headline point (forward and backward apart: the backward's ops are charged too)."""
+    h0 = sp["headline"][0]
+    n, p, link = h0["n"], h0["p"], h0["link"]
+    ranks = list(dict.fromkeys(h["rank"] for h in sp["headline"]))
+    sel = [r for rank in ranks for r in sp["timed"] if (r["n"], r["p"], r["rank"], r["link"]) == (n, p, rank, link)]
+    table = [
+        {"rank": r["rank"], "method": _method_label(sp, r["method"]), "fwd_ms": r["fwd_compute_ms"], "bwd_ms": r["bwd_compute_ms"],
+         "fwd_kernels": r["fwd_kernels"], "bwd_kernels": r["bwd_kernels"], "fwd_gflop": r["fwd_flops"] / 1e9,
+         "bwd_gflop": r["bwd_flops"] / 1e9, "bwd_over_fwd": r["bwd_flops"] / r["fwd_flops"] if r["fwd_flops"] else None,
+         "link_ms": r["link_ms"], "exposed_ms": r["exposed_ms"], "contention_ms": r["contention_ms"]}
+        for r in sel
+    ]  # fmt: skip
+    return [
+        f"> **Compute here is the device model's prediction for {compute['setting']}, not a measurement** "
+        f"({sp_device_model_text(compute)}; kernels `{sp_kernels(sp)}`). The link side is the same alpha-beta model "
+        "as in the measured rows. "
+        "The model is this bench shape's (see the top of the section), not the paper's Linear-Llama3, so the "
+        "share of communication in a step, hence the speed-ups, differ with the shape; against ring attention "
+        "they compare a softmax layer with a linear layer, as the paper's throughput does. Ring attention's blocks "
+        "are PyTorch ops here (parallel/sequence.py: each block's C x C scores materialised in fp32, no flash "
+        "kernel), charged as such, so its time is this implementation's, HBM-bound on the scores, not that of a "
+        "ring of flash-attention blocks.",
+        "",
+        f"The device model's compute per layer at N={n:,}, P={p} (ms, kernels, GFLOP; link and exposed ms on {link}):",
+        "",
+        report.write_markdown_table(
+            table,
+            [("rank", "rank"), ("method", "method"), ("fwd_ms", "fwd compute ms"), ("bwd_ms", "bwd compute ms"), ("fwd_kernels", "fwd kernels"),
+             ("bwd_kernels", "bwd kernels"), ("fwd_gflop", "fwd GFLOP"), ("bwd_gflop", "bwd GFLOP"),
+             ("bwd_over_fwd", "bwd / fwd FLOPs"), ("link_ms", "link ms"), ("exposed_ms", "exposed ms"),
+             ("contention_ms", "contention ms")],
+        ),  # fmt: skip
+    ]
+
+
+
 def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
     """The README section of the sequence-parallel rows: bytes vs N and P, simulated time and exposure per
     link, LASP-2's speed-ups beside the paper's."""
@@ -442,7 +510,7 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
         "",
         f"Linear-Llama at the `{shape['name']}` shape (hidden {shape['hidden_size']}, {shape['num_attention_heads']} "
         f"heads of {shape['hidden_size'] // shape['num_attention_heads']}, {shape['num_key_value_heads']} KV head(s) "
-        f"in softmax layers, {shape['num_hidden_layers']} layer(s), batch {s['batch']}, dtype {results['dtype']}), "
+        f"in softmax layers, {shape['num_hidden_layers']} layer(s), batch {s['batch']}, dtype {sp.get('dtype', results['dtype'])}), "
         "one process playing one rank of a P-way fake process group, collectives on the simulated link "
         "(parallel/sequence.py through parallel.comm). Methods:",
         "",
@@ -483,19 +551,41 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
         ),
     ]
     # Timed rows.
+    compute = results.get("compute") or {"setting": "measured"}
+    predicted = compute["setting"] != "measured"
+    if predicted:
+        how = (
+            f"Per layer, on the virtual clock: this rank's compute **predicted by the device model for "
+            f"{compute['setting']}** ({sp_device_model_text(compute)}; `device_kernels={sp_kernels(sp)}`: "
+            f"{(sp.get('device_kernels') or {}).get('what', '')}), each collective on the link preset, "
+            "**exposed** = the part of the link time the rank waited for"
+        )
+        runs = (
+            "One recorded run per row, deterministic (no warm-up, no repeats: min = max), replayed on every "
+            "preset, so the presets see the same compute; no max_chunk / max_attended limit (nothing is computed). "
+        )
+    else:
+        how = (
+            f"Per layer, on the virtual clock: this rank's compute measured for real on this machine "
+            f"({results['hardware'].get('gpu', results['hardware']['cpu'])}), each collective on the link preset, "
+            "**exposed** = the part of the link time the rank waited for"
+        )
+        runs = (
+            f"{s['warmup']} warm-up + {s['repeats']} repeats interleaved across methods (median; min-max per row in "
+            "results.json, `fwd_bwd_ms_min` / `_max`); each run is recorded "
+            "once and replayed on every preset, so the presets see the same compute. "
+        )
     lines += [
         "### Simulated forward + backward time vs N and P",
         "",
-        f"Per layer, on the virtual clock: this rank's compute measured for real on this machine "
-        f"({results['hardware'].get('gpu', results['hardware']['cpu'])}), each collective on the link preset, "
-        "**exposed** = the part of the link time the rank waited for. Ranks played: "
+        how
+        + ". Ranks played: "
         + ", ".join(f"`{r}` ({'0' if r == 'first' else 'P-1'})" for r in s["ranks"])
         + ". A causal softmax layer costs rank r (r+1) blocks of attention: the last rank sets the step time, while "
         "rank 0 computes one block and waits for ring attention's shifts with nothing left to compute (its ring "
         "exposure is the worst case, its compute the least). Linear layers cost every rank the same. "
-        f"{s['warmup']} warm-up + {s['repeats']} repeats interleaved across methods (median; min-max per row in "
-        "results.json, `fwd_bwd_ms_min` / `_max`); each run is recorded "
-        "once and replayed on every preset, so the presets see the same compute. **LASP-2 over X** = T_X / T_LASP-2 - 1 "
+        + runs
+        + "**LASP-2 over X** = T_X / T_LASP-2 - 1 "
         "(throughput gain; LASP-2H over ring: T_ring / T_LASP-2H - 1, the softmax layers of a hybrid); **over LASP-1, comm only** = (T_LASP-2 - exposed_LASP-2 + exposed_LASP-1) / "
         "T_LASP-2 - 1: LASP-1's schedule on LASP-2's compute, free of the noise between runs.",
         "",
@@ -528,17 +618,8 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
                  ("lasp2_exposed_ms", "LASP-2 exposed ms"), ("lasp1_exposed_ms", "LASP-1 exposed ms"),
                  ("ring_exposed_ms", "ring exposed ms"), ("lasp2_ms", "LASP-2 ms")],
             ),  # fmt: skip
-            "> Only the communication side is comparable with the paper. Our compute is this machine's at a small "
-            "shape: a layer's forward + backward here takes orders of magnitude longer than its link time on any "
-            "preset, so every schedule hides almost everything and the measured speed-ups are compute and noise "
-            "(a shared CPU), not communication; against ring attention they also compare a softmax layer's compute "
-            "with a linear layer's. What carries over is the exposed communication per layer (and the bytes and "
-            "link times above) and how it grows with P and N. At small chunks LASP-1 also pays on the compute side: "
-            "each of its 2 (P-1) serial hops is a call of its own (Python here, a kernel launch and a NCCL call on "
-            "GPUs), which the clock counts as compute. Paper-scale compute comes with the device-model "
-            "simulator (DESIGN.md, \"Measuring speed honestly\", item 4), a later issue.",
-            "",
         ]
+        lines += sp_predicted_headline(sp, compute) if predicted else [MEASURED_HEADLINE_NOTE, ""]
     if sp.get("skipped"):
         lines += ["Not timed (the bytes above cover every point):", ""] + [f"- {x}" for x in sp["skipped"]] + [""]
     return lines
@@ -603,6 +684,8 @@ def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
             logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the spec's formula",
         )  # fmt: skip
     timed = sp["timed"]
+    setting = (results.get("compute") or {}).get("setting", "measured")
+    whose = "this machine's" if setting == "measured" else f"the device model's ({setting})"
     if timed:
         first_link = s["links"][0]
         # Across P: the N timed at the most degrees (the largest such N); across N: the largest P.
@@ -621,7 +704,7 @@ def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
                 panels.append((f"rank {rank}, {fixed[0].upper()}={fixed[1]}, {first_link}", series))
         images["sp_time"] = _plot_panels(
             out_dir / "sp_time.png", panels, xlabel="N (left) / P (right)", ylabel="fwd + bwd ms per layer (virtual clock)",
-            logy=True, ncols=2, title="simulated-link time of one rank: this machine's compute + exposed communication",
+            logy=True, ncols=2, title=f"simulated-link time of one rank: {whose} compute + exposed communication",
         )  # fmt: skip
         panels = []
         for link in s["links"]:
@@ -657,8 +740,10 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     if rows:
         lines += generation_intro(results, points)
     else:  # only the sequence-parallel section ran
+        setting = (results.get("compute") or {}).get("setting", "measured")
+        machine = "Hardware" if setting == "measured" else f"Compute predicted for {setting} by the device model, on"
         lines += [
-            f"Hardware: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
+            f"{machine}: {hw.get('gpu', hw['cpu'])} ({hw['cpu_cores']} CPU cores, load average "
             f"{hw['load_average_1m']:.2f} at start, {hw['torch_threads']} torch threads), torch {hw['torch']}, "
             f"transformers {hw['transformers']}. Elapsed {results['elapsed_s']:.0f} s.",
             "",
