@@ -308,8 +308,10 @@ def _markdown(result: dict, image: Path) -> str:
         "process group, each aten op charged to the device model (`parallel.device`), each collective to the link "
         "model (`parallel.link`), with no copy of any schedule (`eval.simulate`). Generation as the reference "
         f"benchmark: prompt {result['config']['prompt_len']}, {result['config']['new_tokens']} new tokens, a static KV "
-        "cache of prompt + new tokens read in full at every step; tokens/s = batch x new tokens / (prefill + "
-        "(new tokens - 1) decode steps).",
+        "cache of prompt + new tokens read in full at every step"
+        + (", K and V repeated to every query head before attention (`gqa_expand`: the reference's "
+           "repeat_interleave; the zoo's own attention reads each KV head once)" if result["config"].get("gqa_expand") else "")
+        + "; tokens/s = batch x new tokens / (prefill + (new tokens - 1) decode steps).",
         "",
         f"Device `{d['device']['name']}` ({d['device']['note']}); FLOP/s efficiency {d['eff_flops']:.0%} (set a "
         f"priori). Constants ({how}; {len(c)} in all):",
