@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import models
 from eval.simulate import NO_COMM, StaticKVLayer, build_meta, record_generation, release
 from models.ladder import modeling as ladder_modeling
+from models.moepp.entry import k_eff
 from parallel import comm
 from parallel.device import DeviceClock, DeviceModel, DevicePreset, get_device
 from parallel.link import LinkPreset, collective_time
@@ -129,3 +130,22 @@ def test_a_device_preset_is_named_or_a_clear_error():
         get_device("tpu")
     with pytest.raises(ValueError, match=r"eff_hbm=0 must be in \(0, 1\]"):
         DeviceModel(get_device("h100-sxm"), eff_hbm=0)
+
+
+def test_moepp_runs_on_meta_at_the_load_its_balance_loss_aims_for():
+    # MoE++ selects its FFN / copy / constant assignments by boolean masks; on the meta device the simulator
+    # takes the split the heterogeneous balance loss aims for (models/moepp: expected_assignments), so its
+    # all-to-all carries k_eff rows per token, as the entry's collectives_per_forward declares.
+    shape = {**SHAPE, "num_hidden_layers": 2}
+    config = models.get("moepp").bench_config(shape, {"ep": 2})
+    model = build_meta("moepp", config, {"ep": 2})
+    try:
+        recording = record_generation(model, batch=8, prompt_len=16, new_tokens=4)
+    finally:
+        release()
+    expected = model.model.layers[0].mlp.expected_assignments(8)
+    sent = recording.phases["decode"].counts["all_to_all"]
+    assert sent["calls"] == 2 * 2  # dispatch and combine, per layer
+    assert sent["bytes"] == 2 * 2 * expected["ffn"] * shape["hidden_size"] * 2  # bf16 rows
+    assert expected["ffn"] == round(k_eff(config) * 8)
+    assert recording.predict(TOY, "pcie4")["tok_s"] > 0

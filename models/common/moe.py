@@ -151,11 +151,28 @@ class Routing:
     probs: torch.Tensor  # [T, E] fp32, what the balance loss averages
     logits: torch.Tensor  # [T, E] fp32, before scoring (MoE++'s gating residual feeds them on)
 
-    def select(self, keep: torch.Tensor) -> "Routing":
-        """The assignments where `keep` [A] (bool) is True, in their order; probs and logits unchanged."""
+    def select(self, keep: torch.Tensor, expected: int | None = None) -> "Routing":
+        """The assignments where `keep` [A] (bool) is True, in their order; probs and logits unchanged.
+        `expected`: how many there are taken to be on the meta device (`take`)."""
         return replace(
-            self, token_idx=self.token_idx[keep], expert_idx=self.expert_idx[keep], gates=self.gates[keep]
+            self,
+            token_idx=take(self.token_idx, keep, expected),
+            expert_idx=take(self.expert_idx, keep, expected),
+            gates=take(self.gates, keep, expected),
         )
+
+
+def take(t: torch.Tensor, keep: torch.Tensor, expected: int | None = None) -> torch.Tensor:
+    """`t[keep]`. On the meta device, which has no values to select by, the first `expected` rows: the speed
+    simulator's stand-in (eval.simulate) for a selection whose size depends on the routing."""
+    if not t.is_meta:
+        return t[keep]
+    if expected is None:
+        raise ValueError(
+            "A selection by a boolean mask has no size on the meta device; pass the expected number of rows "
+            "(the load the balance loss aims for) to run this layer in the speed simulator."
+        )
+    return t[:expected]
 
 
 class TopKRouter(nn.Module):

@@ -34,6 +34,7 @@ from models.common.moe import (
     dispatch,
     init_moe_weights,
     load_balance_loss,
+    take,
 )
 from models.moepp.configuration import ZooMoeppConfig
 from models.moepp.sharding import PLAN, check_layout
@@ -133,10 +134,11 @@ class MoePlusPlus(nn.Module):
             capacity[: self.num_ffn] = c_ffn
             keep &= within_capacity(expert_idx, capacity)
         ffn = keep & (expert_idx < self.num_ffn)
+        expected = self.expected_assignments(num_tokens) if x.is_meta else {}
         # Only the FFN experts' assignments enter the all-to-all (issued here, not waited).
-        pending = dispatch(x, routing.select(ffn), self.experts, ep_group=self.ep_group)
+        pending = dispatch(x, routing.select(ffn, expected.get("ffn")), self.experts, ep_group=self.ep_group)
         # The copy and constant experts run on this rank while the dispatch is in flight.
-        zc_out = self.zero_computation(x, routing, keep & ~ffn)
+        zc_out = self.zero_computation(x, routing, keep & ~ffn, expected)
         pending.compute()  # waits the dispatch, runs this rank's experts, issues the combine
         out = pending.combine().float() + zc_out  # waits the combine
         balance = None
@@ -147,15 +149,36 @@ class MoePlusPlus(nn.Module):
             balance = load_balance_loss(routing.probs, expert_idx, self.router.num_experts, weights=eta, group=self.ep_group)
         return out.to(x.dtype), routing.logits, balance
 
-    def zero_computation(self, x: torch.Tensor, routing: Routing, local: torch.Tensor) -> torch.Tensor:
+    def expected_assignments(self, num_tokens: int) -> dict[str, int]:
+        """On the meta device (the speed simulator: no values to route by), how many of the layer's k T
+        assignments each kind of expert takes at the load the balance loss aims for (an FFN expert tau times
+        a zero-computation expert's share; capacity drops left out): "ffn", "local" (copy + constant: computed
+        here) and "constant"."""
+        c = self.config
+        assignments, denominator = c.num_experts_per_tok * num_tokens, c.tau * c.num_local_experts + c.num_zc_experts
+
+        def share(experts: float) -> int:
+            return round(assignments * experts / denominator)
+
+        return {
+            "ffn": share(c.tau * c.num_local_experts),
+            "local": share(c.num_copy_experts + c.num_constant_experts),
+            "constant": share(c.num_constant_experts),
+        }
+
+    def zero_computation(self, x: torch.Tensor, routing: Routing, local: torch.Tensor, expected=None) -> torch.Tensor:
         """sum of g_i E_i(x) over each token's copy and constant experts (the assignments where `local`),
-        [T, d] in fp32. Summed per (token, slot) like the shared combine: no atomics, a fixed order."""
-        k = self.config.num_experts_per_tok
-        slot = torch.arange(local.shape[0], device=x.device)[local] % k  # routing is token-major
-        token_idx, expert_idx, gates = routing.token_idx[local], routing.expert_idx[local], routing.gates[local]
+        [T, d] in fp32. Summed per (token, slot) like the shared combine: no atomics, a fixed order.
+        `expected`: the selections' sizes on the meta device (`expected_assignments`)."""
+        k, expected = self.config.num_experts_per_tok, expected or {}
+        n_local, n_constant = expected.get("local"), expected.get("constant")
+        slot = take(torch.arange(local.shape[0], device=x.device), local, n_local) % k  # routing is token-major
+        token_idx, expert_idx, gates = (take(t, local, n_local) for t in (routing.token_idx, routing.expert_idx, routing.gates))
         rows = x[token_idx]  # copy experts: E(x) = x
         is_constant = expert_idx >= self.first_constant
-        constant = self.constant_experts(rows[is_constant], expert_idx[is_constant] - self.first_constant)
+        constant = self.constant_experts(
+            take(rows, is_constant, n_constant), take(expert_idx, is_constant, n_constant) - self.first_constant
+        )
         rows = rows.masked_scatter(is_constant[:, None], constant)
         slots = x.new_zeros(x.shape[0], k, x.shape[1], dtype=torch.float32)
         slots = slots.index_put((token_idx, slot), rows.float() * gates[:, None])
