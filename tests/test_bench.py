@@ -664,17 +664,16 @@ def test_device_preset_moe_rows_carry_the_all_to_all_columns(tmp_path):
     h, prompt = settings["bench_shape"]["hidden_size"], settings["prompt_len"]
     by = {(r["arch"], r["variant"], r["link"]): r for r in rows}
     predicted = {r["arch"] for r in rows}
-    assert {"moe", "scmoe"} <= predicted
-    # MoE++ selects its FFN assignments by a boolean mask, which the meta device cannot size: listed, not an error.
-    if "moepp" not in predicted:
-        assert any("moepp: its forward does not run on the meta device" in note for note in results["skipped"])
+    # MoE++ selects its FFN assignments by boolean masks: on meta they take the load its balance loss aims for.
+    assert predicted == {"moe", "scmoe", "moepp"}
     for arch in predicted:
         k = model_config(settings, arch, {"ep": 2}).num_experts_per_tok if arch != "moepp" else None
         for link in ("pcie4", "ep=nvlink-h100"):
             r = by[(arch, "simulated", link)]
             for phase, tokens in (("prefill", prompt), ("decode", 1)):
-                # Balanced routing on meta, bfloat16: the counted bytes are the dropless formula's.
-                assert r[f"{phase}_a2a_bytes"] == pytest.approx(r[f"{phase}_a2a_formula_bytes"])
+                # Balanced routing on meta, bfloat16: the counted bytes are the dropless formula's (MoE++: its
+                # k_eff rows per token, rounded to whole rows per layer).
+                assert r[f"{phase}_a2a_bytes"] == pytest.approx(r[f"{phase}_a2a_formula_bytes"], abs=h * 2 / 2)
                 if k is not None:
                     assert r[f"{phase}_a2a_bytes"] == tokens * k * h * 2
                 link_ms, exposed = r[f"{phase}_a2a_link_ms_per_layer"], r[f"{phase}_a2a_exposed_ms_per_layer"]
