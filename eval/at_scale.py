@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import hydra
-from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from eval import bench_report, report
-from eval.bench import run_bench
+from eval.bench import run_bench_overrides
 
 COLUMNS = [
     ("run", "run"),
@@ -76,11 +75,8 @@ def run_all(cfg: DictConfig, out_dir: Path) -> dict:
         for prompt_len in spec.get("prompt_lens") or [None]:
             label = name if prompt_len is None else f"{name}@{prompt_len}"
             overrides = [*cfg.common, *spec.overrides, *([f"prompt_len={prompt_len}"] if prompt_len else [])]
-            c = compose(config_name="bench", overrides=overrides)
-            plain = OmegaConf.to_container(c, resolve=False)
-            settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
             print(f"[at_scale] {label}: python -m eval.bench {' '.join(overrides)}", flush=True)
-            results = run_bench(settings, out_dir / label, None, " ".join(["python -m eval.bench", *overrides]))
+            results = run_bench_overrides(overrides, out_dir / label)
             runs[label] = {"title": spec.title + ("" if prompt_len is None else f", prompt {prompt_len}"),
                            "command": results["command"], "compute": results["compute"]}  # fmt: skip
             rows += scale_rows(label, results)

@@ -92,7 +92,7 @@ from models.common import RMSNorm, SwiGLUMLP
 from models.common.attention import make_causal_mask
 from models.common.moe import GroupedExperts, TopKRouter
 from parallel import comm
-from parallel.device import DEVICES, DeviceClock, DeviceModel, get_device
+from parallel.device import DEVICES, DeviceClock, DeviceModel
 from parallel.link import LINK_PRESETS, ClockRecorder
 from parallel.mesh import DIM_ORDER
 
@@ -138,15 +138,8 @@ def check_compute(cfg: dict) -> None:
 
 
 def device_model(cfg: dict) -> DeviceModel:
-    """The `device_model` constants on the `compute` preset."""
-    dm = cfg.get("device_model") or {}
-    return DeviceModel(
-        get_device(compute_of(cfg)),
-        eff_flops=float(dm.get("eff_flops", 0.6)),
-        eff_hbm=float(dm.get("eff_hbm", 0.7)),
-        kernel_overhead_s=float(dm.get("kernel_overhead_us", 2.0)) * 1e-6,
-        contention=float(dm.get("contention", 0.0)),
-    )
+    """The `device_model` constants (conf/bench.yaml) on the `compute` preset."""
+    return DeviceModel.from_config(compute_of(cfg), **cfg["device_model"])
 
 
 def compute_info(cfg: dict) -> dict:
@@ -1603,6 +1596,20 @@ def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: 
         torch.set_num_threads(threads_before)
 
 
+def run_bench_overrides(overrides: list[str], out_dir: Path) -> dict:
+    """`python -m eval.bench <overrides>` in this process, inside an initialised Hydra (the tour,
+    eval.at_scale): conf/bench.yaml composed with `overrides`, run without W&B, written to `out_dir`."""
+    from hydra import compose
+
+    plain = OmegaConf.to_container(compose(config_name="bench", overrides=list(overrides)), resolve=False)
+    return run_bench(settings_of(plain), out_dir, None, " ".join(["python -m eval.bench", *overrides]))
+
+
+def settings_of(plain: dict) -> dict:
+    """The bench's settings from its composed config: all but the logger, paths and Hydra's own keys."""
+    return {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
+
+
 def _run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None, command: str) -> dict:
     device, dtype = resolve_device(cfg)
     cfg = resolve_real(cfg, device.type)
@@ -1694,7 +1701,7 @@ def main(cfg: DictConfig) -> None:
             "name": cfg.task_name,
             "tags": list(cfg.get("tags") or []),
         }
-    settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
+    settings = settings_of(plain)
     command = " ".join(["python -m eval.bench", *HydraConfig.get().overrides.task])
     results = run_bench(settings, out_dir, wandb_cfg, command)
     print(f"[bench] {len(results['rows'])} rows -> {out_dir}/README.md, results.json, *.png", flush=True)

@@ -73,11 +73,8 @@ def constants_from(cfg: dict) -> dict:
 
 
 def device_model(cfg: dict, c: dict) -> DeviceModel:
-    return DeviceModel(
-        get_device(cfg["device"]),
-        eff_flops=float(cfg["eff_flops"]),
-        eff_hbm=c["eff_hbm"],
-        kernel_overhead_s=c["kernel_overhead_us"] * 1e-6,
+    return DeviceModel.from_config(
+        cfg["device"], eff_flops=cfg["eff_flops"], eff_hbm=c["eff_hbm"], kernel_overhead_us=c["kernel_overhead_us"],
         contention=c["contention"],
     )
 
@@ -185,8 +182,6 @@ def fit(cells: dict, cfg: dict, start: dict, rounds: int = 6, points: int = 21) 
             centre = c[name]
             for i in range(points):
                 value = min(hi, max(lo, centre + width[name] * (i / (points - 1) - 0.5)))
-                if name == "eff_hbm" and value <= 0:
-                    continue
                 trial = {**c, name: value}
                 err = loss(predict_rows(cells, cfg, trial))
                 if err < best - 1e-15:

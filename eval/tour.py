@@ -95,7 +95,7 @@ def evaluate_all(cfg: DictConfig, run_dir: Path, checkpoints: dict[str, str]) ->
 def bench_all(cfg: DictConfig, run_dir: Path) -> dict[str, dict]:
     """One bench per entry of `benches` whose baseline (its first arch) the tour trains, over the
     architectures of `archs` it lists: {bench name: results, with "title" and "out_dir" added}."""
-    from eval.bench import run_bench
+    from eval.bench import run_bench_overrides
 
     results = {}
     for name, spec in cfg.benches.items():
@@ -106,11 +106,8 @@ def bench_all(cfg: DictConfig, run_dir: Path) -> dict[str, dict]:
         print(f"[tour] benchmarking {name}: {', '.join(archs)}", flush=True)
         started = time.perf_counter()
         overrides = [f"archs=[{','.join(archs)}]", f"baseline={archs[0]}", *spec.overrides]
-        c = _compose("bench", overrides)
-        plain = OmegaConf.to_container(c, resolve=False)
-        settings = {k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}
         out_dir = run_dir / "bench" / name
-        results[name] = run_bench(settings, out_dir, None, " ".join(["python -m eval.bench", *overrides]))
+        results[name] = run_bench_overrides(overrides, out_dir)
         results[name].update(title=spec.title, out_dir=str(out_dir))
         print(f"[tour] benchmarked {name} in {time.perf_counter() - started:.0f} s", flush=True)
     return results

@@ -85,6 +85,20 @@ class DeviceModel:
         if not 0 <= self.contention <= 1:
             raise ValueError(f"contention={self.contention!r} must be in [0, 1].")
 
+    @classmethod
+    def from_config(
+        cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention
+    ) -> "DeviceModel":
+        """From the configs' units (conf/bench.yaml `device_model`, conf/costmodel.yaml): the per-kernel
+        overhead in microseconds, a preset by name."""
+        return cls(
+            get_device(device),
+            eff_flops=float(eff_flops),
+            eff_hbm=float(eff_hbm),
+            kernel_overhead_s=float(kernel_overhead_us) * 1e-6,
+            contention=float(contention),
+        )
+
     def op_time(self, flops: float, nbytes: float, kernel: bool) -> float:
         if not kernel:
             return 0.0
@@ -139,6 +153,7 @@ class DeviceClock(TorchDispatchMode):
         self.kernel: list[bool] = []
         self.names: list[str] = []
         self._quiet = 0  # > 0 inside a fused kernel already charged (the attention's decomposition)
+        self._last_times = None  # ((DeviceModel, op count), times): replays on several links reuse them
         self._attention = _FusedAttention(self)
 
     def __enter__(self):
@@ -189,6 +204,12 @@ class DeviceClock(TorchDispatchMode):
 
     def times(self, model: DeviceModel) -> list[float]:
         """Cumulative seconds after 0, 1, ..., n ops (n + 1 values) under `model` (`op_time` of each op)."""
+        key = (model, len(self.flops))
+        if self._last_times is None or self._last_times[0] != key:
+            self._last_times = (key, self._cumulative(model))
+        return self._last_times[1]
+
+    def _cumulative(self, model: DeviceModel) -> list[float]:
         flops, nbytes, kernel = (np.asarray(x, dtype=np.float64) for x in (self.flops, self.bytes, self.kernel))
         d = model.device
         per_op = kernel * (
