@@ -6,7 +6,8 @@ its classes, an entry carries the facts the bench, the tests and the trainer nee
 architecture's own folder (`sharding.py`, `entry.py`), so that no shared code names an architecture:
 
 - `degrees`: the mesh dimensions it shards over (the keys of its sharding.py PLAN, `model_class.shard_plan`);
-- `check_layout(config, degrees)`: its sharding.py check, one clear error for degrees that do not fit;
+- `check_layout(config, degrees)`: its sharding.py check, one clear error for degrees that do not fit
+  (every zoo model's `check_layout(degrees)`, which `parallel.parallelize` asks, is this one);
 - `fit_degrees(degrees)`: config fields it needs to run at those degrees (Kraken: kraken_degree = tp);
 - `bench_config(shape, degrees, **overrides)`: how a bench shape (Llama field names) becomes its config;
 - `collectives_per_forward(config, degrees)`: the collectives one forward issues, per kind.
@@ -120,6 +121,12 @@ def register(
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 
+def entry_for(model_type: str | None) -> ZooEntry | None:
+    """The entry of the architecture whose config has `model_type` ("zoo_llama"), or None. Entries that share
+    a config class (linear, linear_hybrid) share its folder, hence its layout: the first is as good as any."""
+    return next((entry for entry in ZOO.values() if entry.config_class.model_type == model_type), None)
+
+
 def get(name: str) -> ZooEntry:
     if name not in ZOO:
         raise ValueError(f"Unknown architecture {name!r}; the zoo has: {', '.join(sorted(ZOO))}.")
@@ -159,6 +166,10 @@ class Converter:
     options: tuple[str, ...] = ()
     check: Callable[..., None] | None = None
     summary: Callable[[PreTrainedModel], dict] = lambda model: {}
+    # > 0: the conversion is calibrated on data. train.convert then calls convert(source_dir, batches, **options)
+    # with that many training batches of token ids (or its `calibration_batches` option's count), tokenized as
+    # the source is: the converter reads data without knowing where it comes from.
+    calibration: int = 0
 
 
 CONVERTERS: dict[str, Converter] = {}

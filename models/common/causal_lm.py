@@ -34,6 +34,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from models.common.attention import make_causal_mask
 from models.common.norm import RMSNorm
 from models.common.rotary import RotaryEmbedding, rope_inv_freq
+from models.registry import entry_for  # ZOO is filled when `models` is imported, after this module
 
 # Output projections feed the residual stream; GPT-2 / Megatron scale their init by 1/sqrt(2L) so the
 # stream's variance does not grow with depth.
@@ -71,11 +72,9 @@ def _checkpoint_model_type(path, kwargs: dict) -> str | None:
 
 def _loader_of(model_type: str | None) -> str:
     """The class to suggest for a checkpoint of `model_type`."""
-    from models.registry import ZOO  # filled when `models` is imported, after this module
-
-    for entry in ZOO.values():
-        if entry.config_class.model_type == model_type:
-            return f"{entry.model_class.__name__} (or AutoModelForCausalLM)"
+    entry = entry_for(model_type)
+    if entry is not None:
+        return f"{entry.model_class.__name__} (or AutoModelForCausalLM)"
     if model_type == "llama":
         return "ZooLlamaForCausalLM (or transformers' LlamaForCausalLM)"
     return "the class of its own architecture (AutoModelForCausalLM, if transformers knows it)"
@@ -134,6 +133,18 @@ class ZooPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RotaryEmbedding):
             # Non-persistent buffer: not in checkpoints, so it must be rebuilt after meta-device loading.
             init.copy_(module.inv_freq, rope_inv_freq(module.rope_parameters, module.head_dim))
+
+    def check_layout(self, degrees: dict[str, int]) -> None:
+        """One clear error unless the mesh degrees ({"tp": 2}) fit the architecture's shard layout: the check
+        of its sharding.py, through its registry entry (`parallel.parallelize` asks first)."""
+        entry = entry_for(self.config.model_type)
+        if entry is None:
+            raise ValueError(
+                f"{type(self).__name__} (model_type {self.config.model_type!r}) is not a registered zoo "
+                "architecture, so there is no shard layout to check its degrees against; `import models` "
+                "registers the zoo."
+            )
+        entry.check_layout(self.config, degrees)
 
     def __init__(self, config, *args, **kwargs):
         # A field assigned after the config was built (`config.ladder_layers = 7`) skipped its checks;

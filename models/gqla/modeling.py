@@ -46,7 +46,7 @@ from models.common import (
     apply_rotary_pos_emb,
 )
 from models.gqla.configuration import ATTN_PATHS, ZooGQLAConfig
-from models.gqla.sharding import PLAN, check_layout
+from models.gqla.sharding import PLAN
 from parallel import comm
 
 # --- caches
@@ -222,10 +222,6 @@ class ZooGQLAPreTrainedModel(ZooPreTrainedModel):
             # Stacked up-projections: initialised like the other projections (nn.Linear weights).
             init.normal_(module.k_up, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.v_up, mean=0.0, std=self.config.initializer_range)
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
 
 
 class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
 from models.kraken.configuration import ZooKrakenConfig
-from models.kraken.sharding import PLAN, check_layout
+from models.kraken.sharding import PLAN
 from parallel import comm
 
 
@@ -63,10 +63,6 @@ class ZooKrakenPreTrainedModel(ZooPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, ZooKrakenModel) and hasattr(module, "conjunction_bias"):  # not yet in the first pass
             init.zeros_(module.conjunction_bias)
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One stream per rank: the TP degree must be k (or 1); see models/kraken/sharding.py."""
-        check_layout(self.config, degrees)
 
 
 class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):

@@ -13,7 +13,7 @@ still the Ladder model.
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.ladder.configuration import ZooLadderConfig
-from models.ladder.sharding import PLAN, check_layout
+from models.ladder.sharding import PLAN
 from parallel import comm
 
 
@@ -21,10 +21,6 @@ class ZooLadderPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooLadderConfig
     config: ZooLadderConfig
     _no_split_modules = ["PreNormDecoderLayer"]
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (Llama's; `parallel.parallelize` asks)."""
-        check_layout(self.config, degrees)
 
 
 class ZooLadderModel(ZooLadderPreTrainedModel, ZooDecoderModel):

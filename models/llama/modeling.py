@@ -7,7 +7,7 @@ the shared pre-norm block (models/common/decoder.py), which other architectures 
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.llama.configuration import ZooLlamaConfig
-from models.llama.sharding import PLAN, check_layout
+from models.llama.sharding import PLAN
 
 # The layer's old name here, for code that imported it from this module.
 LlamaDecoderLayer = PreNormDecoderLayer
@@ -17,10 +17,6 @@ class ZooLlamaPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooLlamaConfig
     config: ZooLlamaConfig
     _no_split_modules = ["PreNormDecoderLayer"]
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
 
 
 class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):

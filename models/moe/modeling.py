@@ -23,7 +23,7 @@ from torch import nn
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.moe import SparseMoE, init_moe_weights
 from models.moe.configuration import ZooMoeConfig
-from models.moe.sharding import PLAN, check_layout
+from models.moe.sharding import PLAN
 from parallel import comm
 
 
@@ -70,10 +70,6 @@ class ZooMoePreTrainedModel(ZooPreTrainedModel):
         init_moe_weights(
             module, self.config.initializer_range, 1 / math.sqrt(2 * self.config.num_hidden_layers)
         )
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
 
 
 class ZooMoeModel(ZooMoePreTrainedModel, ZooDecoderModel):

@@ -37,7 +37,7 @@ from models.common.moe import (
     take,
 )
 from models.moepp.configuration import ZooMoeppConfig
-from models.moepp.sharding import PLAN, check_layout
+from models.moepp.sharding import PLAN
 from parallel import comm
 
 # --- the formulas, each a function so that tests can check it alone ----------------------------------
@@ -216,10 +216,6 @@ class ZooMoeppPreTrainedModel(ZooPreTrainedModel):
         if isinstance(module, ConstantExperts):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.constant, mean=0.0, std=self.config.initializer_range)
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
 
 
 class ZooMoeppModel(ZooMoeppPreTrainedModel, ZooDecoderModel):

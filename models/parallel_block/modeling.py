@@ -4,7 +4,7 @@ from torch import nn
 
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.parallel_block.configuration import ZooParallelConfig
-from models.parallel_block.sharding import PLAN, check_layout
+from models.parallel_block.sharding import PLAN
 from parallel import comm
 
 
@@ -26,10 +26,6 @@ class ZooParallelPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooParallelConfig
     config: ZooParallelConfig
     _no_split_modules = ["ParallelDecoderLayer"]
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (Llama's; `parallel.parallelize` asks)."""
-        check_layout(self.config, degrees)
 
 
 class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):

@@ -55,7 +55,7 @@ from models.common import (
 )
 from models.common.moe import SparseMoE, capacity, dispatch, init_moe_weights, load_balance_loss
 from models.scmoe.configuration import ZooScMoeConfig
-from models.scmoe.sharding import PLAN, check_layout
+from models.scmoe.sharding import PLAN
 from parallel import comm
 
 
@@ -121,10 +121,6 @@ class ZooScMoePreTrainedModel(ZooPreTrainedModel):
         super()._init_weights(module)
         # Stacked experts: like the dense MLP's linears, down_proj scaled for the residual stream.
         init_moe_weights(module, self.config.initializer_range, 1 / math.sqrt(2 * self.config.num_hidden_layers))
-
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
 
 
 class ZooScMoeModel(ZooScMoePreTrainedModel, ZooDecoderModel):
