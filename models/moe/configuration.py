@@ -13,11 +13,12 @@
 - `experts_impl`: "grouped_mm" (default; hidden_size and intermediate_size multiples of 8) or "loop".
 """
 
-from models.common.moe import EXPERT_IMPLS, SCORE_FUNCS, check_expert_widths, check_top_k
+from models.common.moe import SCORE_FUNCS
+from models.common.moe_config import MoeConfigMixin
 from models.llama.configuration import ZooLlamaConfig
 
 
-class ZooMoeConfig(ZooLlamaConfig):
+class ZooMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     model_type = "zoo_moe"
 
     num_local_experts: int = 8
@@ -32,33 +33,18 @@ class ZooMoeConfig(ZooLlamaConfig):
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
         super().validate()
-        check_top_k(self.num_experts_per_tok, self.num_local_experts)
+        self.check_moe_fields()
         freq, layers = self.moe_layer_freq, self.num_hidden_layers
         if isinstance(freq, bool) or not isinstance(freq, int) or not 1 <= freq <= layers:
             raise ValueError(
                 f"moe_layer_freq={freq!r} must be an integer in 1..num_hidden_layers={layers} (every how many "
                 "layers one is an MoE layer; larger leaves the model without any)."
             )
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-            raise ValueError(
-                f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off)."
-            )
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or cf <= 0):
-            raise ValueError(f"capacity_factor={cf!r} must be a number > 0, or None for dropless routing.")
         if self.router_score_func not in SCORE_FUNCS:
             raise ValueError(f"router_score_func={self.router_score_func!r} must be one of {SCORE_FUNCS}.")
-        if self.experts_impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {EXPERT_IMPLS}.")
-        check_expert_widths(self.hidden_size, self.intermediate_size, self.experts_impl)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (layer_idx + 1) % self.moe_layer_freq == 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def num_parameters_formula(self) -> int:
         """Parameter count from the shapes alone (the shared harness checks the model against it)."""
@@ -66,9 +52,3 @@ class ZooMoeConfig(ZooLlamaConfig):
         dense_mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
         moe_block = d * e + e * 3 * d * f  # router + experts (no biases)
         return super().num_parameters_formula() + self.num_moe_layers * (moe_block - dense_mlp)
-
-    def num_active_parameters_formula(self) -> int:
-        """Parameters one token's forward uses (MoE papers' "active" count): all of them but, in each MoE
-        layer, the E - k experts it is not routed to. Embeddings count as in the total."""
-        d, f, e, k = self.hidden_size, self.intermediate_size, self.num_local_experts, self.num_experts_per_tok
-        return self.num_parameters_formula() - self.num_moe_layers * (e - k) * 3 * d * f

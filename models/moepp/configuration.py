@@ -21,11 +21,11 @@ N = N_FFN + N_ZC experts:
 - `experts_impl`: "grouped_mm" (widths multiples of 8) or "loop".
 """
 
-from models.common.moe import EXPERT_IMPLS, check_expert_widths, check_top_k
+from models.common.moe_config import MoeConfigMixin, is_number
 from models.llama.configuration import ZooLlamaConfig
 
 
-class ZooMoeppConfig(ZooLlamaConfig):
+class ZooMoeppConfig(MoeConfigMixin, ZooLlamaConfig):
     model_type = "zoo_moepp"
 
     num_local_experts: int = 8
@@ -48,23 +48,16 @@ class ZooMoeppConfig(ZooLlamaConfig):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0.")
         # Top-k runs over every expert; grouped_mm and expert parallelism see the FFN experts only.
-        check_top_k(1, self.num_local_experts)
-        check_top_k(self.num_experts_per_tok, self.num_total_experts)
+        self.check_moe_fields(router_experts=self.num_total_experts, capacity_factor=False)
         tau = self.tau
-        if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 < tau <= 1:
+        if not is_number(tau) or not 0 < tau <= 1:
             raise ValueError(
                 f"tau={tau!r} must be in (0, 1]: the weight of the zero-computation experts in the balance loss "
                 "(the paper's default 0.75; 1 balances them like FFN experts)."
             )
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-            raise ValueError(f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off).")
         gamma = self.capacity_gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma <= 0:
+        if not is_number(gamma) or gamma <= 0:
             raise ValueError(f"capacity_gamma={gamma!r} must be a number > 0 (the paper's 1.1).")
-        if self.experts_impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {EXPERT_IMPLS}.")
-        check_expert_widths(self.hidden_size, self.intermediate_size, self.experts_impl)
 
     @property
     def num_zc_experts(self) -> int:
@@ -87,11 +80,3 @@ class ZooMoeppConfig(ZooLlamaConfig):
         )
         gating_residual = (layers - 1) * n * n if self.gating_residual else 0  # W_g^j, j >= 2
         return super().num_parameters_formula() + layers * (moe - dense_mlp) + gating_residual
-
-    def num_active_parameters_formula(self) -> int:
-        """An upper bound of the parameters one token's forward uses: all of them but, in each layer, the FFN
-        experts beyond the k it may be routed to. A token that picks a zero-computation expert uses one FFN
-        expert or none, so the mean over tokens is lower (the point of MoE++)."""
-        d, f, n_ffn = self.hidden_size, self.intermediate_size, self.num_local_experts
-        unused = n_ffn - min(self.num_experts_per_tok, n_ffn)
-        return self.num_parameters_formula() - self.num_hidden_layers * unused * 3 * d * f

@@ -20,11 +20,11 @@
   (modeling.py); False waits each at once (the serial schedule: the same values, nothing hidden).
 """
 
-from models.common.moe import EXPERT_IMPLS, check_expert_widths, check_top_k
+from models.common.moe_config import MoeConfigMixin
 from models.llama.configuration import ZooLlamaConfig
 
 
-class ZooScMoeConfig(ZooLlamaConfig):
+class ZooScMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     model_type = "zoo_scmoe"
 
     num_local_experts: int = 8
@@ -60,24 +60,11 @@ class ZooScMoeConfig(ZooLlamaConfig):
         width = self.shared_expert_intermediate_size
         if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
             raise ValueError(f"shared_expert_intermediate_size={width!r} must be a positive int (the shared expert's width).")
-        check_top_k(self.num_experts_per_tok, self.num_local_experts)
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
-            raise ValueError(f"router_aux_loss_coef={coef!r} must be a number >= 0 (0 turns the balance loss off).")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or cf <= 0):
-            raise ValueError(f"capacity_factor={cf!r} must be a number > 0, or None for dropless routing.")
-        if self.experts_impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {EXPERT_IMPLS}.")
-        check_expert_widths(self.hidden_size, self.intermediate_size, self.experts_impl)
+        self.check_moe_fields()
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """The second block of each pair (Position 2), or every block (Position 1)."""
         return self.shortcut_position == 1 or layer_idx % 2 == 1
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def num_parameters_formula(self) -> int:
         """Parameter count from the shapes alone (the shared harness checks the model against it)."""
@@ -92,9 +79,3 @@ class ZooScMoeConfig(ZooLlamaConfig):
         )
         # Llama's count, each MoE block trading its dense MLP for the MoE parts.
         return super().num_parameters_formula() + self.num_moe_layers * (moe_block - dense_mlp)
-
-    def num_active_parameters_formula(self) -> int:
-        """Parameters one token's forward uses (MoE papers' "active" count): all of them but, in each MoE
-        block, the E - k routed experts it is not routed to (the shared expert always runs)."""
-        d, f, e, k = self.hidden_size, self.intermediate_size, self.num_local_experts, self.num_experts_per_tok
-        return self.num_parameters_formula() - self.num_moe_layers * (e - k) * 3 * d * f
