@@ -1,7 +1,7 @@
 """What would each architecture buy at scale? `python -m eval.at_scale [out_dir=reports/at-scale]`.
 
 One `eval.bench` run per entry of `runs` (conf/at_scale.yaml) with `compute=<device preset>`: the speed
-simulator (eval/simulate.py) runs each architecture's own `forward()` at the run's shape on the meta device,
+simulator (eval/simulator/replay.py) runs each architecture's own `forward()` at the run's shape on the meta device,
 sharded on a fake process group, every aten op charged to the device model that eval.costmodel fitted to the
 Ladder paper's 70B table (reports/costmodel) and every collective to the link model. Nothing is timed on this
 machine; the numbers are the same on any machine. Each run's rows are set against its baseline, beside the
@@ -17,8 +17,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eval import bench_report, report
+from eval import report
 from eval.bench import run_bench_overrides
+from eval.bench.settings import degrees_key, degrees_label
 
 COLUMNS = [
     ("run", "run"),
@@ -41,15 +42,15 @@ def scale_rows(name: str, results: dict) -> list[dict]:
     """The simulated rows of one bench run, each with its speed-ups over the run's baseline."""
     base_name = results["settings"]["baseline"]
     rows = [r for r in results["rows"] if r["variant"] == "simulated"]
-    index = {(r["arch"], r["link"], r["batch"], bench_report.degrees_key(r["degrees"])): r for r in rows}
+    index = {(r["arch"], r["link"], r["batch"], degrees_key(r["degrees"])): r for r in rows}
     out = []
     for r in rows:
-        base = index.get((base_name, r["link"], r["batch"], bench_report.degrees_key(r["degrees"])))
+        base = index.get((base_name, r["link"], r["batch"], degrees_key(r["degrees"])))
         out.append({
             "run": name,
             "arch": r["arch"],
             "against": base_name,
-            "at": f"{bench_report.degrees_label(r['degrees'])}, {r['link']}",
+            "at": f"{degrees_label(r['degrees'])}, {r['link']}",
             "batch": r["batch"],
             "tok_s": r["total_tok_s"],
             "speedup_total": r["total_tok_s"] / base["total_tok_s"] if base else None,

@@ -2,7 +2,8 @@
 
 Everything an evaluation reports is written as files under its run directory (JSON, Markdown, PNG)
 and, optionally, logged to Weights & Biases. The helpers know nothing about what is measured: rows
-are plain dicts, columns are keys, plots take {label: (xs, ys)} series.
+are plain dicts, columns are keys, plots take {label: (xs, ys)} series. One formula is shared too, so that
+the bench's rows and the simulator's validation mean the same by it: `hidden_fraction`.
 """
 
 import glob
@@ -15,7 +16,17 @@ from pathlib import Path
 Column = str | tuple[str, str]  # a key, or (key, header)
 
 
-def _pyplot():
+def hidden_fraction(t_base: float, t_arch: float, t_upper: float, min_comm_fraction: float = 0.01) -> float | None:
+    """(T_base - T_arch) / (T_base - T_upper): the share of the baseline's communication overhead that
+    the architecture removes (DESIGN.md, "Measuring speed honestly"). None when the baseline has (almost) no
+    overhead to hide: a denominator below `min_comm_fraction` of T_base is noise, not communication."""
+    gap = t_base - t_upper
+    if gap <= min_comm_fraction * t_base:
+        return None
+    return (t_base - t_arch) / gap
+
+
+def pyplot():
     # Imported on first use: processes that only measure (e.g. spawned benchmark ranks) skip matplotlib.
     import matplotlib
 
@@ -74,7 +85,7 @@ def plot_lines(
     logx: bool = False,
 ) -> Path:
     """One subplot per panel, one line per series ({label: (xs, ys)}); None values are skipped."""
-    plt = _pyplot()
+    plt = pyplot()
     path = Path(path)
     n = max(1, len(panels))
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False, sharey=True)
@@ -111,7 +122,7 @@ def plot_bars(
     hline: float | None = None,
 ) -> Path:
     """Grouped bar chart: one group per entry of `groups`, one bar per key of `bars` (None = no bar)."""
-    plt = _pyplot()
+    plt = pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(min(12.0, max(4.5, 1.5 + 0.35 * len(groups) * max(1, len(bars)))), 3.6))
     width = 0.8 / max(1, len(bars))
@@ -128,6 +139,40 @@ def plot_bars(
         ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_panels(path: Path, panels: list[tuple[str, dict]], *, xlabel: str, ylabel: str, logy: bool, ncols: int,
+                title: str = "") -> Path:  # fmt: skip
+    """Panels of lines on log2 x (and log y if asked); a series whose label ends in '(formula)' is dotted."""
+    plt = pyplot()
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (panel_title, series) in zip(axes.flat, panels, strict=False):
+        for name, (xs, ys) in series.items():
+            points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None and (y > 0 or not logy)]
+            if not points:
+                continue
+            if name.endswith("(formula)"):
+                ax.plot(*zip(*points, strict=True), linestyle=":", color="black", linewidth=1, label=name)
+            else:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -21,8 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 import models  # noqa: F401  (registers the zoo's configs with AutoConfig)
-from eval import bench_report, report
-from eval.bench import link_label
+from eval import report
+from eval.bench.decode_paths_report import decode_paths_section
+from eval.bench.settings import degrees_label, link_label, ranks
+from eval.bench.sp_report import sp_section
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
@@ -150,7 +152,7 @@ def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
         row = {
             "arch": r["arch"],
             "variant": r["variant"] + (f":{r['link']}" if r.get("link") else ""),
-            "degrees": bench_report.degrees_label(r["degrees"]),
+            "degrees": degrees_label(r["degrees"]),
             "batch": r["batch"],
             "prefill speed-up": r["speedup_prefill"],
             "decode speed-up": r["speedup_decode"],
@@ -163,7 +165,7 @@ def speed_rows(bench: dict, archs: list[str]) -> list[dict]:
             row["a2a hidden share (decode)"] = r.get("decode_a2a_hidden_share")
             row["a2a exposed / baseline's (decode)"] = r.get("decode_a2a_exposed_vs_baseline")
             row["published hidden share"] = r.get("a2a_hidden_anchor")
-        order = (row["variant"], bench_report.ranks(r["degrees"]), row["degrees"], r["batch"], archs.index(r["arch"]))
+        order = (row["variant"], ranks(r["degrees"]), row["degrees"], r["batch"], archs.index(r["arch"]))
         keyed.append((order, row))
     return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]
 
@@ -179,7 +181,7 @@ def glance_rows(q_rows: list[dict], benches: dict[str, dict], archs: list[str]) 
         bench = next((b for b in benches.values() if arch in b["settings"]["archs"] and b["rows"]), None)
         if bench is not None:
             rows = bench["rows"]
-            top = max(bench["degrees"], key=bench_report.ranks)  # the most ranks measured
+            top = max(bench["degrees"], key=ranks)  # the most ranks measured
             link = bench["settings"]["simulated"]["links"][0]
             picked = next(
                 (r for r in rows if (r["arch"], r["variant"], r.get("link"), r["degrees"], r["batch"])
@@ -193,7 +195,7 @@ def glance_rows(q_rows: list[dict], benches: dict[str, dict], archs: list[str]) 
             )
             row.update({
                 "against": bench["settings"]["baseline"],
-                "at": f"{bench_report.degrees_label(top)}, {link_label(link)}",
+                "at": f"{degrees_label(top)}, {link_label(link)}",
                 "collectives per decode step": picked.get("decode_comm_calls"),
                 "share of exposed comm hidden (simulated, median)": hidden[len(hidden) // 2] if hidden else None,
                 "prefill speed-up (batch 1)": picked.get("speedup_prefill"),
@@ -217,7 +219,7 @@ def loss_curves(path: Path, pretrained: dict[str, dict]) -> Path:
                              title="validation loss on held-out plays")
 
 
-# The generation bench's plots (eval.bench_report.make_plots), shown under its rows.
+# The generation bench's plots (eval.bench.generation_report.make_plots), shown under its rows.
 GENERATION_PLOTS = ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction_exposed", "a2a_exposed")
 
 
@@ -255,7 +257,7 @@ def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[
         lines += [f"![{k}]({v.name})" for k, v in own.items() if k in GENERATION_PLOTS]
         lines.append("")
     # The bench's own sections where it ran them (sequence parallelism, decode paths), a level down.
-    for section in (bench_report.sp_section(bench, own), bench_report.decode_paths_section(bench, own)):
+    for section in (sp_section(bench, own), decode_paths_section(bench, own)):
         lines += ["#" + line if line.startswith("#") else line for line in section]
     experts = bench.get("expert_throughput") or []
     if experts:

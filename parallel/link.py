@@ -272,7 +272,7 @@ class ClockRecorder:
         """The recorded calls on a fresh clock over `link` (a preset, or one per mesh dimension) with the
         recorded compute times; the clock's state at each `elapsed` call (the marks: end of forward, end of
         backward). `times` maps what the run's clock read to seconds: where the run's `now` was
-        `parallel.device.DeviceClock.mark` (an op count), `times[mark]` is the time after that many ops under
+        `eval.simulator.device.DeviceClock.mark` (an op count), `times[mark]` is the time after that many ops under
         a device model."""
         read = iter(self.times if times is None else [times[m] for m in self.times])
         clock = VirtualClock(get_links(link), now=lambda: next(read))

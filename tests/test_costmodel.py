@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eval import costmodel as cm
+from eval.simulator import costmodel as cm
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -1,4 +1,4 @@
-"""The speed simulator (parallel.device + eval.simulate): the device clock charges what the roofline says,
+"""The speed simulator (eval.simulator.device + eval.simulator.replay): the device clock charges what the roofline says,
 runs are deterministic, and the schedule comes from the model's own forward() (moving a wait there moves
 the prediction, with no edit anywhere else)."""
 
@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import models
-from eval.simulate import NO_COMM, StaticKVLayer, build_meta, record_generation, release
+from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
+from eval.simulator.replay import NO_COMM, StaticKVLayer, build_meta, record_generation, release
 from models.ladder import modeling as ladder_modeling
 from models.moepp.entry import k_eff
 from parallel import comm
-from parallel.device import DeviceClock, DeviceModel, DevicePreset, get_device
 from parallel.link import LinkPreset, collective_time
 
 # A toy device and link with round numbers: 1e12 FLOP/s, 1e9 B/s, 1 us per kernel.

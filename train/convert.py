@@ -11,7 +11,9 @@
   fresh router (options `num_local_experts`, `num_experts_per_tok`, and `moe_layer_freq` / `shortcut_position`,
   `router_aux_loss_coef`; unset ones take the target config's default). See models/moe/convert.py and
   models/scmoe/convert.py;
-- `llama_to_gqla`: TransGQLA (models/gqla/convert.py).
+- `llama_to_gqla`: TransGQLA (models/gqla/convert.py), calibrated on the first `calibration_batches`
+  training batches of the bundled corpus (`calibration_batches`, handed to a converter whose `calibration`
+  is set: models/ reads no data of its own).
 The converter states which checkpoints it reads, which options it takes (top-level keys of this app's
 config, conf/convert.yaml: an option of another converter is refused) and what it checks; this app checks
 that the source is a saved checkpoint of one of those kinds, converts (seeded by `seed`: fresh weights
@@ -37,8 +39,25 @@ from train.data import load_tokenizer
 from train.metrics import evaluate_loss
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+
+
+def calibration_batches(source: str | Path, num_batches: int) -> list[torch.Tensor]:
+    """The first `num_batches` training batches (token ids) of the bundled corpus, with the source's tokenizer
+    if it has one (else the bundled one): what a calibrated conversion reads."""
+    from train.data import LMDataModule
+
+    source = Path(source)
+    data = LMDataModule(tokenizer=str(source) if has_tokenizer(source) else None, seed=0)
+    data.prepare_data()
+    data.setup("fit")
+    out = []
+    for batch in data.train_dataloader():
+        out.append(batch["input_ids"])
+        if len(out) >= num_batches:
+            break
+    return out
 
 
 def converter_options(cfg: DictConfig, converter: Converter) -> dict:
@@ -107,12 +126,16 @@ def convert(cfg: DictConfig) -> dict:
     out = run_dir / converter.target
     options = converter_options(cfg, converter)
     check_source(source, converter, options)
-    tokenizer_source = str(source) if _has_tokenizer(source) else cfg.data.tokenizer
+    tokenizer_source = str(source) if has_tokenizer(source) else cfg.data.tokenizer
     tokenizer = load_tokenizer(tokenizer_source)
 
     # Fresh weights (an upcycled model's routers) depend on the seed only.
     torch.manual_seed(cfg.seed)
-    converted = converter.convert(source, **options)
+    if converter.calibration:
+        batches = calibration_batches(source, options.get("calibration_batches") or converter.calibration)
+        converted = converter.convert(source, batches, **options)
+    else:
+        converted = converter.convert(source, **options)
     save_checkpoint(converted, tokenizer, out)
     details = converter.summary(converted)
     result = {

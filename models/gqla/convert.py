@@ -25,7 +25,8 @@ rotate-half pairing (pair i = dims (i, i + hd/2), frequency theta^(-2i/hd)):
 Exact (up to float rounding) for one KV head, d_r = head_dim, full rank; lossy otherwise, less so as d_c
 grows. `LLAMA_TO_GQLA` is the converter `train.convert` runs:
 `python -m train.convert converter=llama_to_gqla source=DIR kv_lora_rank=32 qk_rope_head_dim=8`.
-`rank_sweep` converts at several ranks from one calibration and reports validation loss per rank.
+The rank sweep (several ranks from one calibration, validation loss per rank) is an evaluation:
+`python -m eval.gqla_rank_sweep` (eval/gqla_rank_sweep.py).
 """
 
 from pathlib import Path
@@ -115,24 +116,6 @@ def calibrate(model: ZooLlamaForCausalLM, batches) -> list[torch.Tensor]:
     return [s / n for s, n in zip(sums, counts, strict=True)]
 
 
-def corpus_batches(source: str | Path, num_batches: int) -> list[torch.Tensor]:
-    """The first `num_batches` training batches of the bundled corpus, with the source's tokenizer if it has
-    one (else the bundled one)."""
-    from train.data import LMDataModule
-
-    source = Path(source)
-    has_tok = (source / "tokenizer.json").is_file() or (source / "tokenizer_config.json").is_file()
-    data = LMDataModule(tokenizer=str(source) if has_tok else None, seed=0)
-    data.prepare_data()
-    data.setup("fit")
-    out = []
-    for batch in data.train_dataloader():
-        out.append(batch["input_ids"])
-        if len(out) >= num_batches:
-            break
-    return out
-
-
 @torch.no_grad()
 def convert_model(
     model: ZooLlamaForCausalLM,
@@ -217,14 +200,15 @@ def load_source(source: str | Path) -> ZooLlamaForCausalLM:
 
 def llama_to_gqla(
     source: str | Path,
+    batches: list[torch.Tensor],
     kv_lora_rank: int | None = None,
     qk_rope_head_dim: int | None = None,
     calibration_batches: int | None = None,
 ) -> ZooGQLAForCausalLM:
-    """TransGQLA of the Llama checkpoint at `source`, calibrated on the bundled corpus."""
+    """TransGQLA of the Llama checkpoint at `source`, calibrated on `batches` (token ids: train.convert hands
+    it the first `calibration_batches` training batches of its data, `Converter.calibration`)."""
     check_options(source, kv_lora_rank, qk_rope_head_dim, calibration_batches)
     model = load_source(source)
-    batches = corpus_batches(source, calibration_batches or DEFAULT_CALIBRATION_BATCHES)
     return convert_model(model, calibrate(model, batches), kv_lora_rank, qk_rope_head_dim)
 
 
@@ -249,60 +233,6 @@ def summary(model: ZooGQLAForCausalLM) -> dict:
     }
 
 
-def rank_sweep(
-    source: str | Path,
-    ranks: list[int],
-    out_dir: str | Path,
-    qk_rope_head_dim: int | None = None,
-    calibration_batches: int = DEFAULT_CALIBRATION_BATCHES,
-    val_batches: int = 8,
-) -> list[dict]:
-    """Validation loss (bundled corpus) of the conversion at each of `ranks`, from one calibration; writes
-    sweep.png and sweep.md (a table) into `out_dir`. Returns the rows."""
-    from train.data import LMDataModule
-    from train.metrics import evaluate_loss
-
-    source, out_dir = Path(source), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = load_source(source)
-    covs = calibrate(model, corpus_batches(source, calibration_batches))
-    has_tok = (source / "tokenizer.json").is_file() or (source / "tokenizer_config.json").is_file()
-    data = LMDataModule(tokenizer=str(source) if has_tok else None, seed=0)
-    data.prepare_data()
-    data.setup("validate")
-    base = evaluate_loss(model, data.val_dataloader(), val_batches)["loss"]
-    rows = []
-    for rank in ranks:
-        converted = convert_model(model, covs, rank, qk_rope_head_dim)
-        loss = evaluate_loss(converted, data.val_dataloader(), val_batches)["loss"]
-        rows.append({"kv_lora_rank": rank, "val_loss": loss, **summary(converted)})
-        print(f"[sweep] d_c={rank} val/loss {loss:.4f} (source {base:.4f})", flush=True)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(
-        [r["kv_lora_rank"] for r in rows], [r["val_loss"] for r in rows], "o-", label="GQLA, no retraining"
-    )
-    ax.axhline(base, color="gray", ls="--", label="source Llama")
-    ax.set_xlabel("kv_lora_rank d_c")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"TransGQLA rank sweep (d_r={rows[0]['qk_rope_head_dim'] if rows else '?'})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "sweep.png", dpi=120)
-    lines = ["| d_c | d_r | KV cache vs GQA (absorb) | val loss |", "|---|---|---|---|"]
-    lines += [f"| source | | 100% | {base:.4f} |"]
-    lines += [
-        f"| {r['kv_lora_rank']} | {r['qk_rope_head_dim']} | {100 * r['kv_cache_fraction_absorb']:.2f}% | {r['val_loss']:.4f} |"
-        for r in rows
-    ]
-    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
-    return rows
-
-
 LLAMA_TO_GQLA = Converter(
     name="llama_to_gqla",
     source="llama",
@@ -314,25 +244,6 @@ LLAMA_TO_GQLA = Converter(
     options=GQLA_OPTIONS,
     check=check_options,
     summary=summary,
+    calibration=DEFAULT_CALIBRATION_BATCHES,
 )
 
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m models.gqla.convert SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8]`: the rank sweep."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("source")
-    parser.add_argument("out_dir")
-    parser.add_argument("--ranks", type=int, nargs="+", required=True)
-    parser.add_argument("--rope-dim", type=int, default=None)
-    parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
-    parser.add_argument("--val-batches", type=int, default=8)
-    args = parser.parse_args(argv)
-    rank_sweep(
-        args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@
 
 The model is built on the meta device (no memory: a 70B model at TP 8 is free) and sharded by
 `parallel.parallelize` on PyTorch's fake process group; its real prefill and one real decode step run under
-`parallel.device.DeviceClock` (every aten op recorded as FLOPs and bytes) with `parallel.comm` in simulated
+`eval.simulator.device.DeviceClock` (every aten op recorded as FLOPs and bytes) with `parallel.comm` in simulated
 mode, the link's virtual clock reading the op count as its `now`, and every call to that clock recorded
 (`parallel.link.ClockRecorder`). Nothing about the schedule is written here: where `forward()` issues and
 waits each collective is where the clock sees it. `Recording.predict` replays the run under a device model
@@ -30,8 +30,8 @@ from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 
 import models
 import parallel
+from eval.simulator.device import DeviceClock, DeviceModel
 from parallel import comm
-from parallel.device import DeviceClock, DeviceModel
 from parallel.link import ClockRecorder, LinkPreset
 
 # The upper bound: the same run with every collective free.
@@ -151,7 +151,7 @@ def record_generation(
     model, batch: int, prompt_len: int, new_tokens: int, static_cache: bool = True, gqa_expand: bool = False
 ) -> Recording:
     """Record the prefill of a `prompt_len` prompt and one decode step at the middle of `new_tokens`.
-    `gqa_expand`: attention charged as repeating K and V to every query head first (parallel.device)."""
+    `gqa_expand`: attention charged as repeating K and V to every query head first (eval.simulator.device)."""
     if prompt_len < 1 or new_tokens < 1 or batch < 1:
         raise ValueError(f"batch={batch}, prompt_len={prompt_len}, new_tokens={new_tokens} must all be >= 1.")
     world = dist.get_world_size() if dist.is_initialized() else 1

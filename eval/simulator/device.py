@@ -30,6 +30,7 @@ One op's time on a device (roofline, plus a fixed cost per kernel):
   benchmark): one more kernel writing the expanded copy, which attention then reads.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +73,7 @@ class DeviceModel:
     eff_hbm: float = 0.7  # fraction of HBM bandwidth a memory-bound kernel reaches
     kernel_overhead_s: float = 2e-6  # per kernel: launch gap and tail (CUDA graphs keep it small)
     # Fraction of the communication time that overlaps compute still paid: NCCL's kernels take SMs and HBM
-    # bandwidth from the compute they run beside (added by the replay, `eval.simulate.Phase.replay`).
+    # bandwidth from the compute they run beside (added by the replay, `eval.simulator.replay.Phase.replay`).
     contention: float = 0.0
 
     def __post_init__(self):
@@ -128,7 +129,7 @@ def _tensors(tree) -> list[torch.Tensor]:
     return out
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -168,6 +169,16 @@ class DeviceClock(TorchDispatchMode):
     def mark(self) -> int:
         return len(self.flops)
 
+    @contextmanager
+    def quiet(self):
+        """Ops run inside are not charged: a fused kernel whose decomposition runs here is charged once, as
+        one kernel, by whoever enters this (`charge` its cost; eval.simulator.kernels, `_FusedAttention`)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
     def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True) -> None:
         self.names.append(name)
         self.flops.append(float(flops))
@@ -186,20 +197,20 @@ class DeviceClock(TorchDispatchMode):
         results = _tensors(out if isinstance(out, (list, tuple)) else [out])
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            nbytes = sum(_nbytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(_nbytes, results))
+            nbytes = sum(tensor_bytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(tensor_bytes, results))
             self.charge(name, flops, nbytes)
         elif name in _GATHERS:
-            self.charge(name, 0, 2 * sum(map(_nbytes, results)))
+            self.charge(name, 0, 2 * sum(map(tensor_bytes, results)))
         elif func._schema.is_mutable and name not in ("aten::copy_",):
             # In place into part of a tensor (index_copy_, index_put_, ...): the source moves, read and written.
             mutated = {id(a) for a, arg in zip(args, func._schema.arguments, strict=False) if arg.alias_info and arg.alias_info.is_write}
             sources = [t for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in mutated]
-            self.charge(name, 0, 2 * sum(map(_nbytes, sources)))
+            self.charge(name, 0, 2 * sum(map(tensor_bytes, sources)))
         elif self.fuse_pointwise and _is_pointwise(func):
             self.charge(name, 0, 0, kernel=False)
         else:
             inputs = _tensors(list(args) + list(kwargs.values()))
-            self.charge(name, 0, sum(map(_nbytes, inputs)) + sum(map(_nbytes, results)))
+            self.charge(name, 0, sum(map(tensor_bytes, inputs)) + sum(map(tensor_bytes, results)))
         return out
 
     def times(self, model: DeviceModel) -> list[float]:
@@ -237,17 +248,14 @@ class _FusedAttention(TorchFunctionMode):
         if kwargs.get("is_causal") and tq > 1:
             flops //= 2  # the blocks above the diagonal are skipped
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        kv_bytes = _nbytes(k) + _nbytes(v)
+        kv_bytes = tensor_bytes(k) + tensor_bytes(v)
         if self.clock.gqa_expand and k.shape[-3] < h:
             expanded = kv_bytes * h // k.shape[-3]  # K and V repeated to every query head
             self.clock.charge("repeat_kv", 0, kv_bytes + expanded)
             kv_bytes = expanded
-        nbytes = _nbytes(q) + kv_bytes + _nbytes(q) * v.shape[-1] // d
+        nbytes = tensor_bytes(q) + kv_bytes + tensor_bytes(q) * v.shape[-1] // d
         if isinstance(mask, torch.Tensor):
-            nbytes += _nbytes(mask)
+            nbytes += tensor_bytes(mask)
         self.clock.charge("scaled_dot_product_attention", flops, nbytes)
-        self.clock._quiet += 1
-        try:
+        with self.clock.quiet():
             return func(*args, **kwargs)
-        finally:
-            self.clock._quiet -= 1

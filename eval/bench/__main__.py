@@ -1,0 +1,31 @@
+"""`python -m eval.bench [key=value ...]`: the bench as a Hydra app on conf/bench.yaml (eval/bench/app.py runs it)."""
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from eval.bench.app import run_bench, settings_of
+
+
+@hydra.main(config_path="../../conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    wandb_cfg = None
+    if cfg.get("logger") and "wandb" in cfg.logger:
+        wandb_cfg = {
+            "project": cfg.logger.wandb.get("project", "overlap-zoo"),
+            "name": cfg.task_name,
+            "tags": list(cfg.get("tags") or []),
+        }
+    settings = settings_of(plain)
+    command = " ".join(["python -m eval.bench", *HydraConfig.get().overrides.task])
+    results = run_bench(settings, out_dir, wandb_cfg, command)
+    print(f"[bench] {len(results['rows'])} rows -> {out_dir}/README.md, results.json, *.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()

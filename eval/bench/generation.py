@@ -1,0 +1,257 @@
+"""The generation section: every architecture at each mesh degree point, in the bench's variants.
+
+- `simulated`: this process plays rank 0 of a P-way fake process group, holds only its shards and computes;
+  collectives go on the virtual link of `parallel.link` (one row per preset) and the time is that virtual
+  clock. Its compute is measured here, or (`compute` a device preset) predicted by the speed simulator
+  (`run_device_model`: eval.simulator, each architecture's own forward() on the meta device);
+- `upper_bound`: the same rank-0 compute with every collective skipped (comm mode `none`);
+- `real`: P spawned processes with real collectives (gloo on CPU, nccl on GPU, 127.0.0.1); the same
+  processes also time `upper_bound_real` (all ranks running, no collectives), its own upper bound.
+
+Each row goes through `timing.summarize`, and MoE rows get their all-to-all columns (eval.bench.moe).
+"""
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import models
+import parallel
+from eval.bench.moe import all_to_all_columns
+from eval.bench.settings import (
+    SIMULATED_DTYPE,
+    compute_of,
+    cpu_threads,
+    degrees_label,
+    device_model,
+    link_label,
+    model_config,
+    predicted,
+    ranks,
+    resolve_device,
+)
+from eval.bench.timing import ClockTimer, WallTimer, measure_interleaved, summarize
+from eval.simulator.device import DeviceModel
+from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
+from models.common import RMSNorm, SwiGLUMLP
+from parallel import comm
+
+
+def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: torch.device, dtype: torch.dtype):
+    """A random `arch` model holding only this rank's shards, materialised on `device`.
+
+    Built on the meta device and sharded there, so a rank never allocates the full model (a 70B shape
+    at TP 8 fits one GPU's share); weights are then initialised with the model's own init.
+    """
+    with torch.device("meta"):
+        model = models.get(arch).model_class(model_config(cfg, arch, degrees))
+    parallel.parallelize(model, mesh)
+    model.to(dtype)
+    model.to_empty(device=device)
+    # Same seed on every rank: replicated weights (embedding, norms, LM head) agree across ranks,
+    # so real ranks pick the same greedy tokens.
+    torch.manual_seed(cfg["seed"])
+    with torch.no_grad():
+        model.apply(model._init_weights)
+    model.eval()
+    if cfg["compile"]:
+        # Compile compute between collectives; communication and the virtual clock stay eager (the Ladder
+        # reference's "semi-compiled" model compiles per sub-block too). Attention stays eager: it updates
+        # the growing DynamicCache, whose changing strides recompile it at every step.
+        for module in model.modules():
+            if isinstance(module, (SwiGLUMLP, RMSNorm)):
+                module.compile(dynamic=True)
+    return model
+
+
+def run_single_process(
+    cfg: dict, degrees: dict[str, int], archs: list[str], device, dtype, skipped: list[str] | None = None
+) -> list[dict]:
+    """Simulated-link and upper-bound rows of `archs` at `degrees`, one process playing rank 0: its compute
+    measured on `device`, or predicted by the device model (`compute` a device preset: `run_device_model`,
+    which appends to `skipped` an architecture whose forward cannot run on the meta device)."""
+    if predicted(cfg):
+        return run_device_model(cfg, degrees, archs, skipped)
+    rows = []
+    p = ranks(degrees)
+    mesh = parallel.init_mesh(**degrees, fake=True)
+    try:
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        for batch in cfg["batch_sizes"]:
+            if cfg["simulated"]["enabled"]:
+                for link in cfg["simulated"]["links"]:
+                    # A dict gives each mesh dimension its own link (parallel.comm times each collective on
+                    # its group's); a preset name is the link of every dimension.
+                    with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
+                        runs = measure_interleaved(built, cfg, batch, lambda c=clock: ClockTimer(c), device)
+                    rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
+            if cfg["upper_bound"]["enabled"]:
+                with comm.use_mode("none"):
+                    runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device)
+                rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
+        del built
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return rows
+
+
+def run_device_model(
+    cfg: dict, degrees: dict[str, int], archs: list[str], skipped: list[str] | None = None
+) -> list[dict]:
+    """Simulated-link and upper-bound rows of `archs` at `degrees` predicted by the device model: each
+    architecture built on the meta device (bfloat16) and sharded on a fake mesh (`eval.simulator.replay.build_meta`,
+    which brings the mesh up; `release` takes it down), its generation recorded once per batch size and
+    replayed on every link preset (`upper_bound`: free communication). The rows go through the same
+    `summarize` / `_rows` as measured ones, one run each (min = max = median). An architecture whose forward
+    needs values the meta device does not have (a data-dependent op such as boolean-mask indexing) is not
+    predicted: a note for it goes to `skipped` (any other error is raised)."""
+    dm, dtype = device_model(cfg), SIMULATED_DTYPE
+    recordings = {batch: {} for batch in cfg["batch_sizes"]}
+    for arch in archs:
+        try:
+            model = build_meta(arch, model_config(cfg, arch, degrees), degrees, dtype)
+            recorded = {
+                batch: record_generation(
+                    model, batch, cfg["prompt_len"], cfg["new_tokens"], bool(cfg.get("static_cache", True))
+                )
+                for batch in cfg["batch_sizes"]
+            }
+        except (NotImplementedError, RuntimeError) as err:
+            if "meta" not in str(err):
+                raise
+            note = (
+                f"{degrees_label(degrees)}: {arch}: its forward does not run on the meta device, so "
+                f"compute={compute_of(cfg)} cannot predict it ({type(err).__name__}: {str(err).split('. ')[0]})"
+            )
+            print(f"[bench] skipped {note}", flush=True)
+            if skipped is not None:
+                skipped.append(note)
+            continue
+        finally:
+            release()
+            model = None
+        for batch, recording in recorded.items():
+            recordings[batch][arch] = recording
+    rows = []
+    for batch, recs in recordings.items():
+        if cfg["simulated"]["enabled"]:
+            for link in cfg["simulated"]["links"]:
+                runs = {arch: [predicted_run(rec, dm, link)] for arch, rec in recs.items()}
+                rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
+        if cfg["upper_bound"]["enabled"]:
+            runs = {arch: [predicted_run(rec, dm, NO_COMM, upper_bound=True)] for arch, rec in recs.items()}
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
+    return rows
+
+
+def predicted_run(recording, dm: DeviceModel, link, upper_bound: bool = False) -> dict:
+    """One recording's prediction as one run of `generate_once`: prefill, and the decode loop as the one
+    recorded step times the new_tokens - 1 steps (its counts too), which `summarize` divides back. The upper
+    bound reads as a measured one does: no exposure, nothing sent (comm mode `none` counts nothing)."""
+    out = recording.predict(dm, link)
+    steps = recording.new_tokens - 1
+    run = {}
+    for phase, per in (("prefill", 1), ("decode", steps)):
+        p, counts = out[phase], recording.phases[phase].counts
+        run[phase] = {"time": p["time"] * per}
+        if upper_bound:
+            run[phase].update(exposed=None, comm_busy=None, exposed_by=None, busy_by=None, counts={})
+        else:
+            run[phase].update(
+                exposed=p["exposed"] * per,
+                comm_busy=p["busy"] * per,
+                exposed_by={k: v * per for k, v in p["exposed_by"].items()},
+                busy_by={k: v * per for k, v in p["busy_by"].items()},
+                counts={kind: {n: v * per for n, v in c.items()} for kind, c in counts.items()},
+            )
+    return run
+
+
+def _rows(runs, cfg, degrees, batch, variant, link, dtype) -> list[dict]:
+    out = []
+    for arch, arch_runs in runs.items():
+        row = {"arch": arch, "degrees": dict(degrees), "variant": variant, "link": None, "batch": batch}
+        if link is not None:
+            row["link"] = link_label(link)
+            row["links"] = link  # the setting itself: one preset, or {dimension: preset}
+        row.update(summarize(arch_runs, batch, cfg["new_tokens"]))
+        row.update(all_to_all_columns(row, cfg, arch, degrees, dtype))
+        out.append(row)
+    return out
+
+
+# --- real processes ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, cfg: dict, out_path: str) -> None:
+    """One rank of the real launch: real collectives, then no collectives, in the same processes."""
+    world_size = ranks(degrees)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    device, dtype = resolve_device(cfg)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    threads = cpu_threads(cfg)
+    if threads:
+        torch.set_num_threads(threads)
+    backend = cfg["real"]["backend"]
+    try:
+        mesh = parallel.init_mesh(**degrees, backend=None if backend == "auto" else backend)
+        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
+        rows = []
+        for batch in cfg["batch_sizes"]:
+            with comm.use_mode("real"):
+                runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
+            rows += _rows(runs, cfg, degrees, batch, "real", None, dtype)
+            with comm.use_mode("none"):
+                runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None, dtype)
+        for row in rows:
+            row["threads_per_rank"] = torch.get_num_threads()
+            row["backend"] = dist.get_backend()
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(rows))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_real(cfg: dict, degrees: dict[str, int], archs: list[str]) -> list[dict]:
+    """Spawn one process per rank on 127.0.0.1; rank 0's rows come back through a file. A rank's error is
+    raised here; ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that
+    is an error."""
+    p = ranks(degrees)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.json")
+        ctx = mp.start_processes(
+            _real_rank, args=(degrees, archs, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + cfg["real"]["timeout_s"]
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                raise TimeoutError(
+                    f"The real {degrees_label(degrees)} ranks ran past "
+                    f"real.timeout_s={cfg['real']['timeout_s']} s."
+                )
+        return json.loads(Path(out_path).read_text())
+
+
