@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from parallel import comm
 
+# The values of a model's `sp_method` (Linear-Llama's config accepts exactly these) and what each runs.
 SP_METHODS = {
     "lasp2": "LASP-2 for linear layers (one all-gather of d_k x d_v states), LASP-2H for softmax layers",
     "lasp1": "LASP-1 for linear layers (ring of states, P-1 serial hops), ring attention for softmax layers",

@@ -5,15 +5,13 @@ Tolerances: kernels in fp64 to 1e-10 (the same sums in different orders); model-
 1e-10; causality is bit-identical (outputs before a changed token are the same bits).
 """
 
-import sys
-from types import ModuleType
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 import models
+from models.linear import modeling as linear_modeling
 from models.linear.modeling import (
     LinearAttention,
     LinearCache,
@@ -362,10 +360,10 @@ def test_sequence_parallel_hook_calls_the_configured_functions(monkeypatch):
             q, k, v, attn_mask=attention_mask, is_causal=True, enable_gqa=True
         )
 
-    fake = ModuleType("parallel.sequence")
-    fake.linear_attention, fake.softmax_attention = linear_attention, softmax_attention
-    fake.chunk_offset = lambda group, q_len: calls.append(("offset", group, q_len)) or 0
-    monkeypatch.setitem(sys.modules, "parallel.sequence", fake)
+    # The modeling module's names for parallel.sequence's functions, replaced by the stand-ins.
+    monkeypatch.setattr(linear_modeling, "sp_linear_attention", linear_attention)
+    monkeypatch.setattr(linear_modeling, "sp_softmax_attention", softmax_attention)
+    monkeypatch.setattr(linear_modeling, "chunk_offset", lambda group, q_len: calls.append(("offset", group, q_len)) or 0)
     model = tiny("linear_hybrid", sp_method="lasp1").double()
     ids = ids_of(2, 12)
     with torch.no_grad():

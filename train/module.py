@@ -33,6 +33,7 @@ import models
 import parallel
 from models.common.moe import TopKRouter, update_balance_biases
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
+from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
@@ -40,7 +41,6 @@ from train.data import next_token_targets
 from train.metrics import IGNORE_INDEX, summed_token_loss
 
 NONFINITE_POLICIES = ("stop", "skip")
-PARALLEL_NAMES = {"dp": "data", "ep": "expert", "sp": "sequence", "tp": "tensor"}
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,10 @@ from rich.table import Table
 
 import models
 from models.checkpoint import save_checkpoint
+from parallel.layout import PARALLEL_NAMES
 from parallel.state import full_state_dict
 from train.data import CORPUS, is_local_source
-from train.module import PARALLEL_NAMES, CausalLMModule, TrainingError, check_degrees, parallel_degrees
+from train.module import CausalLMModule, TrainingError, check_degrees, parallel_degrees
 from train.strategy import ZooParallelStrategy
 
 log = logging.getLogger(__name__)

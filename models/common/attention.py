@@ -106,20 +106,40 @@ class Attention(nn.Module):
         cache: Cache | None = None,
     ) -> torch.Tensor:
         bsz, q_len, _ = x.shape
+        q, k, v = self.project(x, position_embeddings)
+        out = self.mix(q, k, v, attention_mask, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+    def project(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D] and k, v [B, H_kv, T, D] of `x` [B, T, hidden], q and k roped."""
+        bsz, q_len, _ = x.shape
         q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         if position_embeddings is not None:  # None: a model without rotary (NoPE; the mask alone is causal)
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def mix(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """The attention [B, H, T, D] of the queries to the cached keys and values and these (appended to the
+        cache). A subclass replaces this part alone (e.g. sequence parallelism, models/linear)."""
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attention_mask,
-            is_causal=attention_mask is None and q_len > 1,
+            is_causal=attention_mask is None and q.shape[2] > 1,
             enable_gqa=self.num_heads != self.num_key_value_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))

@@ -16,10 +16,10 @@
 """
 
 from models.llama.configuration import ZooLlamaConfig
+from parallel.sequence import SP_METHODS
 
 LAYER_KINDS = {"L": "linear attention", "N": "softmax attention"}
 DECAYS = ("none", "lightning", "retnet", "learned")
-SP_METHODS = ("lasp2", "lasp1")
 
 
 class ZooLinearConfig(ZooLlamaConfig):
@@ -56,7 +56,7 @@ class ZooLinearConfig(ZooLlamaConfig):
         if self.sp_method not in SP_METHODS:
             raise ValueError(
                 f"sp_method={self.sp_method!r} is not a sequence-parallel method of this model; use one of "
-                f"{SP_METHODS} (LASP-2 and LASP-2H, or the baselines LASP-1 and ring attention)."
+                f"{tuple(SP_METHODS)} (LASP-2 and LASP-2H, or the baselines LASP-1 and ring attention)."
             )
 
     def is_linear_layer(self, layer_idx: int) -> bool:

@@ -25,14 +25,13 @@ and RoPE) to parallel.sequence, with the config's `sp_method` ("lasp2" | "lasp1"
 - linear layers (`LinearAttention.mix`): `linear_attention(q, k, v, group, log_decay, method=...,
   intra=...)`, `log_decay` [H] (<= 0) or None, `intra` this layer's kernel for the chunk's own causal
   part (ops.linear_attention: fla on CUDA, the chunked kernel on CPU);
-- softmax layers (`SoftmaxAttention.forward`): `softmax_attention(q, k, v, group, attention_mask,
+- softmax layers (`SoftmaxAttention.mix`): `softmax_attention(q, k, v, group, attention_mask,
   method=...)`, k and v with `num_key_value_heads` heads (fewer bytes to gather), the trunk's mask over
   the keys before and in the chunk.
 Each returns the chunk's output [B, H, C, D]. A cache under sequence parallelism is an error (decode on
 one device).
 """
 
-import importlib
 import math
 
 import torch
@@ -49,18 +48,13 @@ from models.common import (
     ZooDecoderModel,
     ZooForCausalLM,
     ZooPreTrainedModel,
-    apply_rotary_pos_emb,
 )
 from models.linear.configuration import ZooLinearConfig
 from models.linear.ops import linear_attention
-from models.linear.sharding import PLAN, check_layout
-
-
-def _sequence_parallel(function: str):
-    """`parallel.sequence.<function>`. Looked up when a sharded forward first needs it: parallel.sequence
-    imports this folder's kernels (an import at the top would be circular), and an exported checkpoint
-    runs on one device, where it is never needed, so its code does not carry the sequence-parallel part."""
-    return getattr(importlib.import_module("parallel.sequence"), function)
+from models.linear.sharding import PLAN
+from parallel.sequence import chunk_offset
+from parallel.sequence import linear_attention as sp_linear_attention
+from parallel.sequence import softmax_attention as sp_softmax_attention
 
 
 def _no_cache_under_sp(cache) -> None:
@@ -269,7 +263,6 @@ class LinearAttention(nn.Module):
         log_decay = self.log_decay()
         if self.sp_group is not None:
             _no_cache_under_sp(cache)
-            sp_linear_attention = _sequence_parallel("linear_attention")
             return sp_linear_attention(
                 q, k, v, self.sp_group, log_decay, method=self.sp_method, intra=self.intra_chunk
             )
@@ -295,20 +288,12 @@ class SoftmaxAttention(Attention):
         self.sp_group = None
         self.sp_method = sp_method
 
-    def forward(self, x, position_embeddings, attention_mask=None, cache=None):
+    def mix(self, q, k, v, attention_mask=None, cache=None):
         if self.sp_group is None:
-            return super().forward(x, position_embeddings, attention_mask, cache)
+            return super().mix(q, k, v, attention_mask, cache)
         # Under sequence parallelism the keys and values of the tokens before this chunk come from the group.
         _no_cache_under_sp(cache)
-        bsz, q_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        sp_softmax_attention = _sequence_parallel("softmax_attention")
-        out = sp_softmax_attention(q, k, v, self.sp_group, attention_mask, method=self.sp_method)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+        return sp_softmax_attention(q, k, v, self.sp_group, attention_mask, method=self.sp_method)
 
 
 class LinearDecoderLayer(PreNormDecoderLayer):
@@ -346,11 +331,6 @@ class ZooLinearPreTrainedModel(ZooPreTrainedModel):
             values = fixed_log_decay(module.decay, module.num_heads, module.layer_idx, module.num_layers)
             init.copy_(module.fixed_log_decay, values)
 
-    def check_layout(self, degrees: dict[str, int]) -> None:
-        """One clear error unless the mesh degrees fit the shard layout (`parallel.parallelize` asks first)."""
-        check_layout(self.config, degrees)
-
-
 class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
     def __init__(self, config):
         super().__init__(config)
@@ -362,7 +342,7 @@ class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
 
     def sequence_offset(self, q_len: int) -> int:
         """Under sequence parallelism rank r's chunk of q_len tokens starts at r * q_len (0 on one device)."""
-        return 0 if self.sp_group is None else _sequence_parallel("chunk_offset")(self.sp_group, q_len)
+        return 0 if self.sp_group is None else chunk_offset(self.sp_group, q_len)
 
     def make_rotary(self, config) -> RotaryEmbedding | None:
         """RoPE for the softmax layers of a hybrid; a pure linear model has no positions at all."""

@@ -9,9 +9,6 @@ from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, 
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.sharding import PLAN
 
-# The layer's old name here, for code that imported it from this module.
-LlamaDecoderLayer = PreNormDecoderLayer
-
 
 class ZooLlamaPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooLlamaConfig
