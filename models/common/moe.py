@@ -47,6 +47,9 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
 - `SparseMoE(hidden_size, intermediate_size, num_experts, top_k, ...)`: router + experts with
   `forward(x [B, T, d]) -> (y, aux)`: route, dispatch, compute and combine at once (the vanilla MoE
   schedule); `aux` = {"load_balance": aux_loss_coef * balance loss} in training mode, {} otherwise.
+  Its steps, for an architecture that places the waits itself (ScMoE): `dispatch(x [T, d]) -> (pending,
+  routing)` (routed with the block's capacity, the all-to-all issued), then `pending.compute()`,
+  `pending.combine()`, and `balance_loss(routing)` (unweighted; None outside training).
   `ep_group` is None on one device and set by the expert-parallel layout.
 
 Expert parallelism (parallel/ep.py, "experts" role): rank r of P keeps experts [r E/P, (r+1) E/P) of a
@@ -519,20 +522,30 @@ class SparseMoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.ep_group = None  # set by parallel.parallelize; None = every expert on this device
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def dispatch(self, x: torch.Tensor) -> tuple[MoEDispatch, Routing]:
+        """Route x [T, d] and ISSUE its dispatch all-to-all (over `ep_group`), with this block's capacity.
+
+        Returns (pending, routing): `pending.compute()` waits the dispatch, runs this rank's experts and
+        issues the combine; `pending.combine()` waits the combine and gives sum_i g_i E_i(x), [T, d]. The
+        steps of `forward`, for an architecture that places the waits itself (ScMoE)."""
         routing = self.router(x)
         cap = None
         if self.capacity_factor is not None:
             cap = capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
-        pending = dispatch(x, routing, self.experts, self.ep_group, cap)  # all-to-all issued
+        return dispatch(x, routing, self.experts, self.ep_group, cap), routing
+
+    def balance_loss(self, routing: Routing) -> torch.Tensor | None:
+        """The load-balance loss of `routing` (over the ep group's tokens), not yet weighted by
+        `aux_loss_coef`; None outside training or with the loss off."""
+        if not (self.training and self.aux_loss_coef > 0):
+            return None
+        return load_balance_loss(routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        shape = x.shape
+        pending, routing = self.dispatch(x.reshape(-1, shape[-1]))  # all-to-all issued
         pending.compute()  # waits the dispatch; local experts; combine issued
         y = pending.combine()  # waits the combine
-        aux = {}
-        if self.training and self.aux_loss_coef > 0:
-            balance = load_balance_loss(
-                routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group
-            )
-            aux["load_balance"] = self.aux_loss_coef * balance
+        balance = self.balance_loss(routing)
+        aux = {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
         return y.view(shape), aux

@@ -34,7 +34,9 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         super().__init__(config, layer_idx)
         self.is_moe = config.is_moe_layer(layer_idx)
         if self.is_moe:
-            # Under the dense MLP's attribute name, as HF Mixtral and Qwen-MoE do.
+            # Under the dense MLP's attribute name, as HF Mixtral and Qwen-MoE do. It replaces the dense MLP
+            # the shared layer built (rather than taking its place through `make_mlp`, as MoE++'s does): that
+            # MLP's construction draws from the random generator, so the models a seed gives stay the same.
             self.mlp = SparseMoE(
                 config.hidden_size,
                 config.intermediate_size,

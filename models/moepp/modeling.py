@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from models.common import Attention, RMSNorm, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.moe import (
     GroupedExperts,
     Routing,
@@ -185,20 +185,17 @@ class MoePlusPlus(nn.Module):
         return slots.sum(1)
 
 
-class MoeppDecoderLayer(nn.Module):
-    """Pre-norm attention, then the MoE++ layer in place of the MLP."""
+class MoeppDecoderLayer(PreNormDecoderLayer):
+    """The shared pre-norm block with the MoE++ layer in place of the MLP; the router logits go in and out
+    (the gating residual)."""
 
-    def __init__(self, config: ZooMoeppConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = Attention.from_config(config, layer_idx)
-        self.mlp = MoePlusPlus(config, layer_idx)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.tp_group = None  # set by parallel.parallelize; None = single device
+    def make_mlp(self, config: ZooMoeppConfig, layer_idx: int) -> MoePlusPlus:
+        return MoePlusPlus(config, layer_idx)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache, previous_logits):
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
+        attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
+        # The MoE++ layer is whole on every tp rank, so its output is complete: no all-reduce.
         x = self.post_attention_layernorm(hidden_states)
         moe_out, logits, balance = self.mlp(x.flatten(0, 1), previous_logits)
         return hidden_states + moe_out.view_as(hidden_states), logits, balance

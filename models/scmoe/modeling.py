@@ -53,15 +53,23 @@ from models.common import (
     ZooForCausalLM,
     ZooPreTrainedModel,
 )
-from models.common.moe import SparseMoE, capacity, dispatch, init_moe_weights, load_balance_loss
+from models.common.decoder import PreNormAttention
+from models.common.moe import SparseMoE, init_moe_weights
 from models.scmoe.configuration import ZooScMoeConfig
 from models.scmoe.sharding import PLAN
 from parallel import comm
 
 
-class ScMoeBlock(nn.Module):
+class ScMoeBlock(PreNormAttention, nn.Module):
     """The MoE block of a pair: attention, a gated shared expert on the block's own stream, and top-k routed
-    experts on the shortcut (the preceding block's representation, which the trunk passes in)."""
+    experts on the shortcut (the preceding block's representation, which the trunk passes in).
+
+    It shares the pre-norm attention sub-block (`attention_block`), not the whole `PreNormDecoderLayer`:
+    it has no forward of its own (the trunk interleaves its parts with the dense block's, `_pair`), its
+    post-attention norm feeds the shared expert while `mlp` (the routed experts) reads the shortcut through
+    `shortcut_layernorm`, so the layer's `mlp_block` and `forward` would be wrong for it; and its modules
+    come in another order (`mlp` last), which fixes its state-dict and parameter order (optimizer state in
+    saved training checkpoints is kept by parameter position) and what a seed initialises."""
 
     def __init__(self, config: ZooScMoeConfig, layer_idx: int):
         super().__init__()
@@ -84,26 +92,14 @@ class ScMoeBlock(nn.Module):
         )
         self.tp_group = None  # set by parallel.parallelize; None = single device
 
-    def attention_block(self, hidden_states, position_embeddings, attention_mask, cache):
-        return self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
-
     def dispatch_shortcut(self, shortcut: torch.Tensor):
         """Route the shortcut's tokens and ISSUE their dispatch all-to-all (over `mlp.ep_group`).
 
         Returns (pending, balance loss or None outside training): `pending.compute()` waits the dispatch,
         runs this rank's experts and issues the combine; `pending.combine()` waits the combine and gives
         sum_i G(r)_i E_i(r), [T, d]."""
-        moe = self.mlp
-        r = self.shortcut_layernorm(shortcut).flatten(0, 1)
-        routing = moe.router(r)
-        cap = None
-        if moe.capacity_factor is not None:
-            cap = capacity(r.shape[0], moe.num_experts, moe.top_k, moe.capacity_factor)
-        pending = dispatch(r, routing, moe.experts, moe.ep_group, cap)
-        balance = None
-        if self.training and moe.aux_loss_coef > 0:
-            balance = load_balance_loss(routing.probs, routing.expert_idx, moe.num_experts, group=moe.ep_group)
-        return pending, balance
+        pending, routing = self.mlp.dispatch(self.shortcut_layernorm(shortcut).flatten(0, 1))
+        return pending, self.mlp.balance_loss(routing)
 
     def shared_expert_block(self, hidden_states):
         """(g, SE(s)), s the normed stream. SE's output is a partial sum under tensor parallelism: the gate
