@@ -1,5 +1,9 @@
-"""What the bench's tests share: the settings `python -m eval.bench` composes, and a device-preset run."""
+"""What the bench's tests share: the settings `python -m eval.bench` composes, a run of it as a command, and a
+device-preset run in this process."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -29,3 +33,11 @@ def run_predicted(out: Path, *overrides: str) -> dict:
     finally:
         torch.set_num_threads(threads)
 
+
+
+def run_cli(out: Path, *overrides: str) -> dict:
+    """`python -m eval.bench out_dir=OUT logger=none *overrides` in a subprocess; its results.json."""
+    cmd = [sys.executable, "-m", "eval.bench", f"out_dir={out}", "logger=none", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "results.json").read_text())

@@ -84,7 +84,7 @@ def hub_unreachable(ctx):
     for var in OFFLINE_VARIABLES:
         ctx.monkeypatch.delenv(var, raising=False)
     ctx.monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    ctx.monkeypatch.setattr(data, "_hub_reachable_cache", {})
+    ctx.monkeypatch.setattr(data.hub, "_hub_reachable_cache", {})
 
 
 def no_cuda(ctx):
@@ -106,7 +106,7 @@ def decode_step_with_short_mask():
 
 def cuda_bench(ctx):
     no_cuda(ctx)
-    from eval.bench import resolve_device
+    from eval.bench.settings import resolve_device
 
     return resolve_device({"device": "cuda", "dtype": "auto"})
 

@@ -1,9 +1,6 @@
 """eval.bench, the decode-path section (bench_preset=gqla): off by default, on in the preset; settings fail fast;
 rows per path, batch and query length; KV bytes per token from the models' own accounting; its report."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +8,7 @@ import torch
 import models
 from eval.bench import check_settings
 from eval.bench.settings import model_config
-from tests.benchkit import ROOT, bench_settings
+from tests.benchkit import bench_settings, run_cli
 
 # --- decode paths (bench_preset=gqla): one device, per path / batch / query length ------------------------
 
@@ -38,15 +35,13 @@ def test_decode_paths_settings_fail_fast():
 def gqla_run(tmp_path_factory):
     """The gqla preset at the tiny shape: the decode-path section at batch 1 and 2, and the TP 2 rows on one link."""
     out = tmp_path_factory.mktemp("bench_gqla")
-    cmd = [
-        sys.executable, "-m", "eval.bench", f"out_dir={out}", "logger=none", "bench_preset=gqla", "bench_shape=tiny",
+    results = run_cli(
+        out, "bench_preset=gqla", "bench_shape=tiny",
         "tp=[2]", "batch_sizes=[1]", "prompt_len=8", "new_tokens=3", "warmup=0", "repeats=1",
         "simulated.links=[nvlink-h100]", "real.enabled=false", "decode_paths.batch_sizes=[1,2]",
         "decode_paths.steps=2", "decode_paths.warmup=0", "decode_paths.repeats=1",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "results.json").read_text())
+    )  # fmt: skip
+    return out, results
 
 
 def test_decode_path_rows_exist_per_path_batch_and_query_length(gqla_run):

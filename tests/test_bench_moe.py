@@ -2,15 +2,12 @@
 bytes per layer counted == the dropless formula, exposure per layer from the virtual clock, the expert-layer
 throughput rows and report; with a device preset the MoE rows carry the same all-to-all columns."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
 from eval.bench import check_settings
 from eval.bench.settings import model_config
-from tests.benchkit import ROOT, bench_settings, run_predicted
+from tests.benchkit import bench_settings, run_cli, run_predicted
 
 
 def test_moe_preset_compares_like_with_like():
@@ -42,15 +39,13 @@ def moe_run(tmp_path_factory):
     """The MoE preset at the tiny shape with llama added: ep 2 (llama skipped there), a preset link and a
     per-dimension one, real gloo at ep 2, and the expert-layer throughput on a few tokens."""
     out = tmp_path_factory.mktemp("bench_moe")
-    cmd = [
-        sys.executable, "-m", "eval.bench", f"out_dir={out}", "logger=none", "bench_preset=moe",
+    results = run_cli(
+        out, "bench_preset=moe",
         "bench_shape=tiny", "archs=[llama,moe,scmoe,moepp]", "ep=[2]", "batch_sizes=[1]", "prompt_len=16",
         "new_tokens=3", "warmup=1", "repeats=1", "simulated.links=[pcie4,{ep: nvlink-h100}]",
         "real.enabled=true", "real.ep=[2]", "expert_throughput.tokens=128", "expert_throughput.repeats=1",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "results.json").read_text())
+    )  # fmt: skip
+    return out, results
 
 
 def test_moe_run_measures_the_ep_point_and_skips_llama(moe_run):

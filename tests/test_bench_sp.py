@@ -3,9 +3,6 @@ fail fast; the clock recorder replays a run on any link; rows per method, point,
 flat in N, the ring's linear, every count == the spec's formula; its report. With a device preset: every point
 predicted, deterministic, the kernel setting changing only the compute."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ from omegaconf import OmegaConf
 from eval.bench import check_settings
 from eval.bench.sp import sp_config, sp_formula_bytes
 from parallel.link import LINK_PRESETS, ClockRecorder, VirtualClock
-from tests.benchkit import ARCHS, ROOT, bench_settings, run_predicted
+from tests.benchkit import ARCHS, ROOT, bench_settings, run_cli, run_predicted
 
 # --- sequence parallelism of the linear model over long sequences (bench_preset=sp) ---------------------
 
@@ -75,16 +72,14 @@ def sp_run(tmp_path_factory):
     """The sp preset at the tiny shape: N 64 and 128 on P 2 and 4, both ranks, two links; softmax methods skipped
     where the rank would score more than 4096 (query, key) pairs (N 128, P 2, last rank)."""
     out = tmp_path_factory.mktemp("bench_sp")
-    cmd = [
-        sys.executable, "-m", "eval.bench", f"out_dir={out}", "logger=none", "bench_preset=sp", "bench_shape=tiny",
+    results = run_cli(
+        out, "bench_preset=sp", "bench_shape=tiny",
         "sequence_parallel.lengths=[64,128]", "sequence_parallel.sp=[2,4]", "sequence_parallel.max_attended=4096",
         "sequence_parallel.bytes.lengths=[64,128]", "sequence_parallel.bytes.sp=[2,4]",
         "sequence_parallel.bytes.extra_points=[{n: 1024, sp: 4}]", "sequence_parallel.warmup=0",
         "sequence_parallel.repeats=1", "sequence_parallel.links=[nvlink-h100,pcie4]",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads((out / "results.json").read_text())
+    )  # fmt: skip
+    return out, results
 
 
 def test_sp_rows_exist_per_method_point_rank_and_link(sp_run):

@@ -11,7 +11,7 @@ aten ops charged, the GPU's fused kernels charged as eval.simulator.kernels mode
 
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 
 import torch
 import torch.distributed as dist
@@ -353,6 +353,37 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
     points, skipped = sp_timed_points(cfg)
     rows = []
     started = time.perf_counter()
+    with closing(_timed_points(cfg, points, device, dtype)) as each_point:
+        for p, rank_label, rank, trunks, n in each_point:
+            methods = []
+            for m in sp["methods"]:
+                if SP_ALGORITHMS[m]["pattern"] == "N" and sp_attended(n, p, rank) > sp["max_attended"]:
+                    skipped.append(
+                        f"{m} at N={n}, P={p}, rank {rank_label} ({rank}): it would score "
+                        f"{sp_attended(n, p, rank):,} (query, key) pairs, over max_attended={sp['max_attended']:,}."
+                    )
+                else:
+                    methods.append(m)
+            inputs = {m: sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], device, dtype) for m in methods}
+            for m in methods:
+                for _ in range(sp["warmup"]):
+                    sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync)
+            runs = {m: [] for m in methods}
+            for _ in range(sp["repeats"]):
+                for m in methods:
+                    runs[m].append(sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync))
+            for m in methods:
+                rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, runs[m], dtype)
+            del inputs
+            print(f"[bench] sequence parallel N={n} P={p} rank {rank_label}: {len(methods)} methods "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    return {"timed": rows, "skipped": skipped}
+
+
+def _timed_points(cfg: dict, points: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
+    """(P, rank label, rank, {method: trunk}, N) for every timed point: one fake P-way mesh per (P, rank played)
+    with every method's trunk on it, reused over the N at that P; the process group is taken down at the end."""
+    sp = cfg["sequence_parallel"]
     try:
         for p in sorted({p for _, p in points}):
             for rank_label in sp["ranks"]:
@@ -360,33 +391,11 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
                 mesh = fake_sp_mesh(p, rank)
                 trunks = {m: build_sp_trunk(cfg, m, p, mesh, device, dtype) for m in sp["methods"]}
                 for n in sorted(n for n, q in points if q == p):
-                    methods = []
-                    for m in sp["methods"]:
-                        if SP_ALGORITHMS[m]["pattern"] == "N" and sp_attended(n, p, rank) > sp["max_attended"]:
-                            skipped.append(
-                                f"{m} at N={n}, P={p}, rank {rank_label} ({rank}): it would score "
-                                f"{sp_attended(n, p, rank):,} (query, key) pairs, over max_attended={sp['max_attended']:,}."
-                            )
-                        else:
-                            methods.append(m)
-                    inputs = {m: sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], device, dtype) for m in methods}
-                    for m in methods:
-                        for _ in range(sp["warmup"]):
-                            sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync)
-                    runs = {m: [] for m in methods}
-                    for _ in range(sp["repeats"]):
-                        for m in methods:
-                            runs[m].append(sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync))
-                    for m in methods:
-                        rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, runs[m], dtype)
-                    del inputs
-                    print(f"[bench] sequence parallel N={n} P={p} rank {rank_label}: {len(methods)} methods "
-                          f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+                    yield p, rank_label, rank, trunks, n
                 del trunks
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return {"timed": rows, "skipped": skipped}
 
 
 def sequence_parallel_predicted(cfg: dict) -> dict:
@@ -401,24 +410,15 @@ def sequence_parallel_predicted(cfg: dict) -> dict:
     points, skipped = sp_timed_points(cfg)
     rows = []
     started = time.perf_counter()
-    try:
-        for p in sorted({p for _, p in points}):
-            for rank_label in sp["ranks"]:
-                rank = sp_rank(rank_label, p)
-                mesh = fake_sp_mesh(p, rank)
-                trunks = {m: build_sp_trunk(cfg, m, p, mesh, meta, dtype) for m in sp["methods"]}
-                for n in sorted(n for n, q in points if q == p):
-                    for m in sp["methods"]:
-                        inputs = sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], meta, dtype)
-                        run = sp_record(trunks[m], inputs, p, sp["links"][0], sp.get("device_kernels", "gpu"))
-                        run["times"] = run["clock"].times(dm)
-                        rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, [run], dtype, dm)
-                    print(f"[bench] sequence parallel (device model {dm.device.name}) N={n} P={p} rank {rank_label} "
-                          f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
-                del trunks
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with closing(_timed_points(cfg, points, meta, dtype)) as each_point:
+        for p, rank_label, rank, trunks, n in each_point:
+            for m in sp["methods"]:
+                inputs = sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], meta, dtype)
+                run = sp_record(trunks[m], inputs, p, sp["links"][0], sp.get("device_kernels", "gpu"))
+                run["times"] = run["clock"].times(dm)
+                rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, [run], dtype, dm)
+            print(f"[bench] sequence parallel (device model {dm.device.name}) N={n} P={p} rank {rank_label} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
     return {"timed": rows, "skipped": skipped}
 
 

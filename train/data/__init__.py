@@ -29,8 +29,6 @@ from train.data.datamodule import LMDataModule
 from train.data.hub import (
     HUB_PROBE_TIMEOUT_S,
     OFFLINE_VARIABLES,
-    # The probe's answers, importable here as before; hub_reachable reads (and tests reset) train.data.hub's.
-    _hub_reachable_cache,  # noqa: F401
     hub_problem,
     hub_reachable,
     is_local_source,
