@@ -4,13 +4,10 @@
 - dispatch / compute / combine == a dense reference that sends every token through its experts one by one
   (dropless, capacity, a filtered subset of assignments; fp32 atol 1e-5, gradients included);
 - router, balance loss and the aux-loss-free bias, each against its formula;
-- on gloo: ep 2, ep 4 and ep 2 x tp 2 == one process on the concatenated batch (logits, loss with the
-  balance loss, every gradient after parallel.grad_sync; fp32 atol 1e-5), a rank that sends a peer nothing
-  and an expert that gets nothing, and the collectives counted against the entry's declaration;
-- `none` and `simulated` modes on the fake process group; bad inputs, one clear error each.
+- bad inputs, one clear error each;
+- under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 ==
+  one process, uneven routing and the collectives for every ep architecture): a capacity factor runs.
 """
-
-import math
 
 import pytest
 import torch
@@ -28,9 +25,6 @@ from models.common.moe import (
     load_balance_loss,
     update_balance_biases,
 )
-from parallel import comm
-from parallel.layout import shard_specs
-from tests.distributed import run_ranks
 
 ATOL = 1e-5
 D, F_WIDTH, E, K = 16, 24, 4, 2
@@ -323,7 +317,7 @@ def test_bad_inputs_are_one_clear_error_each():
         entry.model_class(config)
 
 
-# --- expert parallelism on gloo --------------------------------------------------------------------------
+# --- expert parallelism: this model's own checks, run by tests/test_ep.py on its ranks --------------------
 
 
 def build_moe(**overrides):
@@ -331,164 +325,10 @@ def build_moe(**overrides):
     return models.ZOO["moe"].model_class(models.ZOO["moe"].tiny(**overrides)).train()
 
 
-def local_part(reference: torch.Tensor, specs) -> torch.Tensor:
-    for spec in specs:
-        reference = reference.chunk(spec.size, dim=spec.tensor_dim)[spec.rank]
-    return reference
-
-
-def _check_model_equivalence(mesh, batch_per_rank: int = 2, seq: int = 10, **overrides):
-    """The sharded model on this rank's rows of a global batch == the one-process model on all of it."""
-    from parallel.grad_sync import sync_gradients
-
-    ep, ep_rank = mesh["ep"].size(), mesh.get_local_rank("ep")
-    ids = torch.randint(0, 256, (ep * batch_per_rank, seq), generator=torch.Generator().manual_seed(7))
-    mine = ids[ep_rank * batch_per_rank : (ep_rank + 1) * batch_per_rank]
-    reference, sharded = build_moe(**overrides), build_moe(**overrides)
-    parallel.parallelize(sharded, mesh)
-
-    ref_out = reference(ids, labels=ids)
-    ref_out.loss.backward()
-    out = sharded(mine, labels=mine)
-    out.loss.backward()
-    sync_gradients(sharded, mesh)
-
-    rows = slice(ep_rank * batch_per_rank, (ep_rank + 1) * batch_per_rank)
-    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=ATOL)
-    # Every ep rank gets the balance loss of the whole batch; the LM losses average to the whole batch's.
-    torch.testing.assert_close(
-        out.aux_losses["load_balance"], ref_out.aux_losses["load_balance"], rtol=0, atol=ATOL
-    )
-    mean_loss = comm.all_reduce(out.loss.detach(), mesh.get_group("ep")).wait() / ep
-    torch.testing.assert_close(mean_loss, ref_out.loss, rtol=0, atol=ATOL)
-
-    specs = shard_specs(sharded)
-    ref_params = dict(reference.named_parameters())
-    assert {s.mesh_dim for n in specs for s in specs[n] if ".experts." in n} == {"ep"}
-    for name, p in sharded.named_parameters():
-        expected = local_part(ref_params[name].grad, specs.get(name, ()))
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def _check_uneven_routing(rank: int, group, world_size: int):
-    """Rank 0 sends its peers nothing; the last expert gets no token anywhere; forward and backward
-    equal the dense reference (each rank checks its own tokens)."""
-    num_experts = 2 * world_size
-    full = make_experts(num_experts)
-    local = make_experts(num_experts)
-    per = num_experts // world_size
-    with torch.no_grad():  # this rank's experts, as parallel.ep's role keeps them
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(
-                local, name, torch.nn.Parameter(getattr(local, name)[rank * per : (rank + 1) * per].clone())
-            )
-    local.num_local_experts = per
-    tokens = 5 + rank  # ranks may route different numbers of tokens
-    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(10 + rank), requires_grad=True)
-    token_idx = torch.arange(tokens).repeat_interleave(2)
-    if rank == 0:
-        expert_idx = torch.tensor([0, 1] * tokens)  # both of rank 0's own experts
-    else:
-        expert_idx = torch.randint(
-            0, num_experts - 1, (2 * tokens,), generator=torch.Generator().manual_seed(rank)
-        )
-    gates = torch.rand(2 * tokens, generator=torch.Generator().manual_seed(20 + rank))
-    assignments = Routing(token_idx, expert_idx, gates, None, None)
-    out = run_moe(x, assignments, local, group)
-    x_ref = x.detach().clone().requires_grad_()
-    ref = dense_reference(x_ref, token_idx, expert_idx, gates, full)
-    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
-    out.sum().backward()
-    ref.sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=ATOL)
-
-
-def _count_one_forward(mesh):
-    """Real collectives of one eval forward == what models/moe/entry.py declares."""
-    ep = mesh["ep"].size()
-    model = parallel.parallelize(build_moe().eval(), mesh)
-    declared = models.ZOO["moe"].collectives_per_forward(model.config, {"ep": ep})
-    ids = torch.randint(0, 256, (2, 8))
-    comm.reset_counters()
-    with torch.no_grad():
-        model(ids)
-    counts = comm.snapshot_counters()
-    assert set(counts) == set(declared) == {"all_to_all", "exchange_splits"}
-    for kind, expected in declared.items():
-        assert counts[kind]["calls"] == expected.calls, kind
-    # The dispatch sends T k rows; the combine sends back what the rank received, T k only on average.
-    sent = comm.all_reduce(torch.tensor(counts["all_to_all"]["bytes"]), mesh.get_group("ep")).wait()
-    assert sent == ep * declared["all_to_all"].values_per_token * 2 * 8 * 4  # fp32
-    assert (
-        counts["exchange_splits"]["bytes"] == 8 * model.config.num_local_experts * model.config.num_moe_layers
-    )
-
-
-def _capacity_mode_runs(mesh):
+def ep_checks(mesh):
     """With a capacity factor each rank drops over-capacity tokens on its own; nothing hangs."""
     model = parallel.parallelize(build_moe(capacity_factor=0.5), mesh)
     ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(mesh.get_rank()))
     loss = model(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
-
-
-def _ep_ranks(rank, world_size):
-    mesh = parallel.init_mesh(ep=world_size)
-    # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
-    _check_model_equivalence(mesh, router_aux_loss_coef=0.5)
-    _check_uneven_routing(rank, mesh.get_group("ep"), world_size)
-    _count_one_forward(mesh)
-    _capacity_mode_runs(mesh)
-
-
-def test_ep2_equals_one_process():
-    run_ranks(_ep_ranks, 2)
-
-
-def _ep4_and_ep2_tp2_ranks(rank, world_size):
-    _ep_ranks(rank, world_size)
-    # The same four ranks as an ep 2 x tp 2 mesh: experts over ep, attention and dense MLPs over tp.
-    _check_model_equivalence(parallel.init_mesh(ep=2, tp=2), num_attention_heads=4, num_key_value_heads=4)
-
-
-def test_ep4_and_ep2_x_tp2_equal_one_process():
-    run_ranks(_ep4_and_ep2_tp2_ranks, 4)
-
-
-# --- comm modes on the fake process group ------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_ep4():
-    try:
-        yield parallel.init_mesh(ep=4, fake=True)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_none_and_simulated_modes_run_and_count(fake_ep4):
-    model = parallel.parallelize(build_moe().eval(), fake_ep4)
-    assert model.model.layers[1].mlp.experts.gate_proj.shape[0] == 1  # rank 0 of 4 keeps expert 0
-    declared = models.ZOO["moe"].collectives_per_forward(model.config, {"ep": 4})
-    ids = torch.randint(0, 256, (2, 8))
-    comm.reset_counters()
-    with comm.use_mode("none"), torch.no_grad():
-        assert model(ids).logits.shape == (2, 8, 256)
-    assert comm.snapshot_counters() == {}  # `none` skips (and so does not count) every collective
-    comm.reset_counters()
-    with comm.use_mode("simulated", link="nvlink-h100") as clock, torch.no_grad():
-        clock.start()
-        assert model(ids).logits.shape == (2, 8, 256)
-        assert clock.comm_busy > 0
-    counts = comm.snapshot_counters()
-    assert counts["all_to_all"]["calls"] == declared["all_to_all"].calls == 2 * model.config.num_moe_layers
-    assert (
-        counts["exchange_splits"]["calls"] == declared["exchange_splits"].calls == model.config.num_moe_layers
-    )
-    assert counts["all_to_all"]["bytes"] == declared["all_to_all"].values_per_token * 16 * 4
-    # Training mode runs too (the balance loss's all-reduce is simulated as well).
-    model.train()
-    with comm.use_mode("simulated", link="nvlink-h100"):
-        model(ids, labels=ids).loss.backward()
-    assert math.isfinite(model.model.layers[1].mlp.router.gate.weight.grad.sum().item())

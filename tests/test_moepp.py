@@ -5,9 +5,10 @@
   with random weights (fp32 atol 1e-5); the constant expert; the gating residual within a layer and down
   the stack; capacities (formula, which assignments are kept, the layer with tokens dropped); the
   heterogeneous balance loss; a layer where no token reaches an FFN expert (forward and backward);
-- on gloo: ep 2 == one process (logits, loss with the balance loss, every gradient after
-  parallel.grad_sync; fp32 atol 1e-5), also for a layer whose tokens all stay with the zero-computation
-  experts; the all-to-all carries the FFN experts' rows only (counted);
+- under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 == one
+  process and the collectives for every ep architecture, the all-to-all carrying the rows of FFN experts
+  only): a layer whose tokens all stay with the zero-computation experts sends nothing and equals one
+  process; fewer rows than top-2 of every token cross the link;
 - `simulated` mode on the fake process group: 2 all-to-alls per layer, fewer bytes than `moe`'s (k_eff);
 - bad inputs, one clear error each.
 """
@@ -24,8 +25,7 @@ from models.common.moe import load_balance_loss
 from models.moepp.entry import k_eff
 from models.moepp.modeling import ConstantExperts, expert_capacities, within_capacity
 from parallel import comm
-from parallel.layout import shard_specs
-from tests.distributed import run_ranks
+from tests.test_ep import count_one_forward
 
 ATOL = 1e-5
 
@@ -239,46 +239,10 @@ def test_bad_inputs_are_one_clear_error_each():
         entry.check_layout(entry.tiny(), {"sp": 2})
 
 
-# --- expert parallelism on gloo --------------------------------------------------------------------------
+# --- expert parallelism: this model's own checks, run by tests/test_ep.py on its ranks --------------------
 
 
-def local_part(reference: torch.Tensor, specs) -> torch.Tensor:
-    for spec in specs:
-        reference = reference.chunk(spec.size, dim=spec.tensor_dim)[spec.rank]
-    return reference
-
-
-def _check_model_equivalence(mesh, batch_per_rank: int = 2, seq: int = 10, **overrides):
-    """The sharded model on this rank's rows of a global batch == the one-process model on all of it."""
-    from parallel.grad_sync import sync_gradients
-
-    ep, ep_rank = mesh["ep"].size(), mesh.get_local_rank("ep")
-    ids = ids_of(ep * batch_per_rank, seq, seed=7)
-    rows = slice(ep_rank * batch_per_rank, (ep_rank + 1) * batch_per_rank)
-    reference, sharded = build(**overrides), build(**overrides)
-    parallel.parallelize(sharded, mesh)
-
-    ref_out = reference(ids, labels=ids)
-    ref_out.loss.backward()
-    out = sharded(ids[rows], labels=ids[rows])
-    out.loss.backward()
-    sync_gradients(sharded, mesh)
-
-    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=ATOL)
-    torch.testing.assert_close(out.aux_losses["load_balance"], ref_out.aux_losses["load_balance"], rtol=0, atol=ATOL)
-    mean_loss = comm.all_reduce(out.loss.detach(), mesh.get_group("ep")).wait() / ep
-    torch.testing.assert_close(mean_loss, ref_out.loss, rtol=0, atol=ATOL)
-    specs = shard_specs(sharded)
-    # Only the FFN experts are split; the constant experts are replicated like the router.
-    over_ep = {n.split(".mlp.")[1] for n in specs if any(s.mesh_dim == "ep" for s in specs[n])}
-    assert over_ep == {"experts.gate_proj", "experts.up_proj", "experts.down_proj"}
-    ref_params = dict(reference.named_parameters())
-    for name, p in sharded.named_parameters():
-        expected = local_part(ref_params[name].grad, specs.get(name, ()))
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def _check_layer_without_ffn_tokens(mesh):
+def check_layer_without_ffn_tokens(mesh):
     """Under ep, a layer whose every token stays with the zero-computation experts: nothing to send."""
     reference, sharded = build(), build()
     parallel.parallelize(sharded, mesh)
@@ -292,48 +256,12 @@ def _check_layer_without_ffn_tokens(mesh):
     assert comm.snapshot_counters()["all_to_all"]["bytes"] == 0
 
 
-def _count_one_forward(mesh):
-    """Real collectives of one eval forward: 2 all-to-alls per layer, carrying the FFN experts' rows only."""
-    ep, d = mesh["ep"].size(), 64
-    model = parallel.parallelize(build().eval(), mesh)
-    ffn_rows = []
-    for layer in model.model.layers:
-        layer.mlp.router.register_forward_hook(lambda _, __, routing: ffn_rows.append((routing.expert_idx < 4).sum()))
-    declared = models.ZOO["moepp"].collectives_per_forward(model.config, {"ep": ep})
-    comm.reset_counters()
-    with torch.no_grad():
-        model(ids_of(2, 8))
-    counts = comm.snapshot_counters()
-    assert set(counts) == set(declared) == {"all_to_all", "exchange_splits"}
-    for kind, expected in declared.items():
-        assert counts[kind]["calls"] == expected.calls, kind
-    assert counts["all_to_all"]["calls"] == 2 * model.config.num_hidden_layers
-    group = mesh.get_group("ep")
-    sent = comm.all_reduce(torch.tensor(counts["all_to_all"]["bytes"]), group).wait()
-    rows = comm.all_reduce(torch.stack(ffn_rows).sum(), group).wait()
-    assert sent == 2 * rows * d * 4  # dispatch and combine, fp32
-    assert rows < 2 * 2 * 8 * ep * model.config.num_hidden_layers  # fewer than top-2 of every token
-
-
-def _ep2_ranks(rank, world_size):
-    mesh = parallel.init_mesh(ep=world_size)
-    # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
-    _check_model_equivalence(mesh, router_aux_loss_coef=0.5)
-    _check_layer_without_ffn_tokens(mesh)
-    _count_one_forward(mesh)
-
-
-def test_ep2_equals_one_process():
-    run_ranks(_ep2_ranks, 2)
-
-
-def _ep2_tp2_ranks(rank, world_size):
-    _check_model_equivalence(parallel.init_mesh(ep=2, tp=2), num_attention_heads=4, num_key_value_heads=4)
-
-
-@pytest.mark.slow
-def test_ep2_x_tp2_equals_one_process():
-    run_ranks(_ep2_tp2_ranks, 4)
+def ep_checks(mesh):
+    """MoE++'s own checks under ep (module docstring)."""
+    check_layer_without_ffn_tokens(mesh)
+    # The all-to-alls carry the FFN experts' rows only (test_ep counts them): fewer than top-2 of every token.
+    rows, assignments = count_one_forward(mesh, "moepp")
+    assert rows < assignments
 
 
 # --- comm modes on the fake process group ------------------------------------------------------------------

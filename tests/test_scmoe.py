@@ -5,10 +5,10 @@
   and the shared expert is the documented one;
 - with the shortcut fed the block's own stream (`shortcut=False`) and the shared expert silenced, ScMoE ==
   the top-1 `moe` with the same weights (Position 2 and Position 1; fp32 atol 1e-5);
-- on gloo: ep 2 == one process on the concatenated batch (logits, loss with the balance loss, every gradient
-  after parallel.grad_sync; fp32 atol 1e-5), real collectives counted against the entry's declaration;
-  ep 2 x tp 2 (slow);
-- `simulated` mode on the fake process group: 2 all-to-alls and one count exchange per MoE block;
+- under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 == one
+  process and the collectives for every ep architecture): the overlapped schedule == the serial one in one
+  process, Position 2 and Position 1 (fp32 atol 1e-5);
+- on the simulated link, the overlapped pair exposes less of its all-to-alls than the serial one;
 - bad inputs, one clear error each.
 """
 
@@ -18,8 +18,7 @@ import torch
 import models
 import parallel
 from parallel import comm
-from parallel.layout import shard_specs
-from tests.distributed import run_ranks
+from tests.test_ep import check_equivalence
 
 ATOL = 1e-5
 
@@ -189,81 +188,15 @@ def test_bad_inputs_are_one_clear_error_each():
         entry.check_layout(entry.tiny(), {"sp": 2})
 
 
-# --- expert parallelism on gloo --------------------------------------------------------------------------
+# --- expert parallelism: this model's own checks, run by tests/test_ep.py on its ranks --------------------
 
 
-def local_part(reference: torch.Tensor, specs) -> torch.Tensor:
-    for spec in specs:
-        reference = reference.chunk(spec.size, dim=spec.tensor_dim)[spec.rank]
-    return reference
-
-
-def _check_model_equivalence(mesh, batch_per_rank: int = 2, seq: int = 10, **overrides):
-    """The sharded model on this rank's rows of a global batch == the one-process model on all of it."""
-    from parallel.grad_sync import sync_gradients
-
-    ep, ep_rank = mesh["ep"].size(), mesh.get_local_rank("ep")
-    ids = ids_of(ep * batch_per_rank, seq, seed=7)
-    rows = slice(ep_rank * batch_per_rank, (ep_rank + 1) * batch_per_rank)
-    # The reference waits every all-to-all at once; the sharded model overlaps them.
-    reference, sharded = build(moe_overlap=False, **overrides), build(**overrides)
-    parallel.parallelize(sharded, mesh)
-
-    ref_out = reference(ids, labels=ids)
-    ref_out.loss.backward()
-    out = sharded(ids[rows], labels=ids[rows])
-    out.loss.backward()
-    sync_gradients(sharded, mesh)
-
-    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=ATOL)
-    torch.testing.assert_close(out.aux_losses["load_balance"], ref_out.aux_losses["load_balance"], rtol=0, atol=ATOL)
-    mean_loss = comm.all_reduce(out.loss.detach(), mesh.get_group("ep")).wait() / ep
-    torch.testing.assert_close(mean_loss, ref_out.loss, rtol=0, atol=ATOL)
-    specs = shard_specs(sharded)
-    assert {s.mesh_dim for n in specs for s in specs[n] if ".experts." in n} == {"ep"}
-    ref_params = dict(reference.named_parameters())
-    for name, p in sharded.named_parameters():
-        expected = local_part(ref_params[name].grad, specs.get(name, ()))
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def _count_one_forward(mesh):
-    """Real collectives of one eval forward == what models/scmoe/entry.py declares."""
-    ep = mesh["ep"].size()
-    model = parallel.parallelize(build().eval(), mesh)
-    declared = models.ZOO["scmoe"].collectives_per_forward(model.config, {"ep": ep})
-    comm.reset_counters()
-    with torch.no_grad():
-        model(ids_of(2, 8))
-    counts = comm.snapshot_counters()
-    assert set(counts) == set(declared) == {"all_to_all", "exchange_splits"}
-    for kind, expected in declared.items():
-        assert counts[kind]["calls"] == expected.calls, kind
-    assert counts["all_to_all"]["calls"] == 2 * model.config.num_moe_layers
-    # The dispatch sends T k rows; the combine sends back what the rank received (T k on average).
-    sent = comm.all_reduce(torch.tensor(counts["all_to_all"]["bytes"]), mesh.get_group("ep")).wait()
-    assert sent == ep * declared["all_to_all"].values_per_token * 2 * 8 * 4  # fp32
-
-
-def _ep2_ranks(rank, world_size):
-    mesh = parallel.init_mesh(ep=world_size)
-    # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
-    _check_model_equivalence(mesh, router_aux_loss_coef=0.5)
-    _check_model_equivalence(mesh, shortcut_position=1)
-    _count_one_forward(mesh)
-
-
-def test_ep2_equals_one_process():
-    run_ranks(_ep2_ranks, 2)
-
-
-def _ep2_tp2_ranks(rank, world_size):
-    _check_model_equivalence(parallel.init_mesh(ep=2, tp=2), num_attention_heads=4, num_key_value_heads=4)
-
-
-@pytest.mark.slow
-def test_ep2_x_tp2_equals_one_process():
-    run_ranks(_ep2_tp2_ranks, 4)
+def ep_checks(mesh):
+    """The overlapped schedule under ep == the serial one in one process (which waits every all-to-all at
+    once): Position 2 with a large balance-loss weight, and Position 1."""
+    serial = {"moe_overlap": False}
+    check_equivalence(mesh, "scmoe", reference_overrides=serial, router_aux_loss_coef=0.5)
+    check_equivalence(mesh, "scmoe", reference_overrides=serial, shortcut_position=1)
 
 
 # --- comm modes on the fake process group ------------------------------------------------------------------
@@ -275,25 +208,6 @@ def fake_ep2():
         yield parallel.init_mesh(ep=2, fake=True)
     finally:
         torch.distributed.destroy_process_group()
-
-
-def test_simulated_mode_counts_two_all_to_alls_per_moe_block(fake_ep2):
-    model = parallel.parallelize(build().eval(), fake_ep2)
-    assert model.model.layers[1].mlp.experts.gate_proj.shape[0] == 2  # rank 0 of 2 keeps experts 0, 1
-    declared = models.ZOO["scmoe"].collectives_per_forward(model.config, {"ep": 2})
-    comm.reset_counters()
-    with comm.use_mode("simulated", link="pcie4") as clock, torch.no_grad():
-        clock.start()
-        assert model(ids_of(2, 8)).logits.shape == (2, 8, 256)
-        assert clock.comm_busy > 0
-    counts = comm.snapshot_counters()
-    assert counts["all_to_all"]["calls"] == declared["all_to_all"].calls == 2 * model.config.num_moe_layers
-    assert counts["exchange_splits"]["calls"] == declared["exchange_splits"].calls == model.config.num_moe_layers
-    assert counts["all_to_all"]["bytes"] == declared["all_to_all"].values_per_token * 16 * 4
-    comm.reset_counters()
-    with comm.use_mode("none"), torch.no_grad():
-        model(ids_of(2, 8))
-    assert comm.snapshot_counters() == {}  # `none` skips (and so does not count) every collective
 
 
 def test_simulated_link_overlapped_schedule_exposes_less(fake_ep2):
