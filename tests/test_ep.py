@@ -16,6 +16,7 @@ meshes), since starting the processes costs more than every check together on 2 
 
 import importlib
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def mesh_degrees(mesh) -> dict[str, int]:
     return {dim: mesh.size(i) for i, dim in enumerate(mesh.mesh_dim_names)}
 
 
-def ids_of(batch: int, seq: int, seed: int) -> torch.Tensor:
+def ids_of(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
@@ -279,25 +280,30 @@ def test_ep4_and_ep2_x_tp2_equal_one_process():
 # --- comm modes on the fake process group --------------------------------------------------------------
 
 
-FAKE_POINTS = [(name, ep) for ep in (2, 4) for name in archs_at({"ep": ep})]
-
-
-@pytest.fixture
-def fake_mesh(request):
+@contextmanager
+def fake_ep_mesh(ep: int):
+    """An ep mesh of `ep` ranks in this process, on PyTorch's fake process group (this process is rank 0;
+    collectives return at once), torn down afterwards."""
     try:
-        yield parallel.init_mesh(ep=request.param, fake=True)
+        yield parallel.init_mesh(ep=ep, fake=True)
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("name", "fake_mesh"), FAKE_POINTS, ids=[f"{n}-ep{p}" for n, p in FAKE_POINTS], indirect=["fake_mesh"]
-)
-def test_none_and_simulated_modes_run_and_count(name, fake_mesh):
+FAKE_POINTS = [(name, ep) for ep in (2, 4) for name in archs_at({"ep": ep})]
+
+
+@pytest.mark.parametrize(("name", "ep"), FAKE_POINTS, ids=[f"{n}-ep{p}" for n, p in FAKE_POINTS])
+def test_none_and_simulated_modes_run_and_count(name, ep):
     """Rank 0 of P keeps its E/P experts; `none` issues (and counts) no collective; `simulated` times every
     one on the link and counts them as the entry declares; training mode runs too."""
-    ep = fake_mesh.size()
-    model = parallel.parallelize(build(name, {"ep": ep}).eval(), fake_mesh)
+    with fake_ep_mesh(ep) as mesh:
+        _none_and_simulated(name, mesh)
+
+
+def _none_and_simulated(name, mesh):
+    ep = mesh.size()
+    model = parallel.parallelize(build(name, {"ep": ep}).eval(), mesh)
     blocks = moe_blocks(model)
     assert all(b.experts.gate_proj.shape[0] == b.experts.num_experts // ep for b in blocks)
     routed = count_routed_rows(model)

@@ -25,18 +25,14 @@ from models.common.moe import load_balance_loss
 from models.moepp.entry import k_eff
 from models.moepp.modeling import ConstantExperts, expert_capacities, within_capacity
 from parallel import comm
-from tests.test_ep import count_one_forward
+from tests.test_ep import build as build_at
+from tests.test_ep import count_one_forward, fake_ep_mesh, ids_of
 
 ATOL = 1e-5
 
 
 def build(**overrides):
-    torch.manual_seed(0)
-    return models.ZOO["moepp"].model_class(models.ZOO["moepp"].tiny(**overrides)).train()
-
-
-def ids_of(batch=2, seq=10, seed=1):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return build_at("moepp", {}, **overrides)
 
 
 def expert_ffn(experts, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -267,15 +263,7 @@ def ep_checks(mesh):
 # --- comm modes on the fake process group ------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_ep2():
-    try:
-        yield parallel.init_mesh(ep=2, fake=True)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_simulated_all_to_all_bytes_below_moe(fake_ep2):
+def test_simulated_all_to_all_bytes_below_moe():
     """2 all-to-alls per layer, as `moe`; MoE++'s carry only the FFN experts' rows, so fewer bytes than those
     of `moe` with the same 4 FFN experts, top-2, in every layer."""
     ids = ids_of(2, 8)
@@ -286,12 +274,13 @@ def test_simulated_all_to_all_bytes_below_moe(fake_ep2):
     for layer in moepp.model.layers:
         layer.mlp.router.register_forward_hook(lambda _, __, routing: ffn_rows.append(int((routing.expert_idx < 4).sum())))
     counts = {}
-    for name, model in (("moe", moe), ("moepp", moepp)):
-        parallel.parallelize(model, fake_ep2)
-        comm.reset_counters()
-        with comm.use_mode("simulated", link="pcie4"), torch.no_grad():
-            model(ids)
-        counts[name] = comm.snapshot_counters()
+    with fake_ep_mesh(2) as mesh:
+        for name, model in (("moe", moe), ("moepp", moepp)):
+            parallel.parallelize(model, mesh)
+            comm.reset_counters()
+            with comm.use_mode("simulated", link="pcie4"), torch.no_grad():
+                model(ids)
+            counts[name] = comm.snapshot_counters()
     layers = moepp.config.num_hidden_layers
     assert counts["moe"]["all_to_all"]["calls"] == counts["moepp"]["all_to_all"]["calls"] == 2 * layers
     assert counts["moepp"]["exchange_splits"]["calls"] == layers

@@ -18,18 +18,14 @@ import torch
 import models
 import parallel
 from parallel import comm
-from tests.test_ep import check_equivalence
+from tests.test_ep import build as build_at
+from tests.test_ep import check_equivalence, fake_ep_mesh, ids_of
 
 ATOL = 1e-5
 
 
 def build(**overrides):
-    torch.manual_seed(0)
-    return models.ZOO["scmoe"].model_class(models.ZOO["scmoe"].tiny(**overrides)).train()
-
-
-def ids_of(batch=2, seq=10, seed=1):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return build_at("scmoe", {}, **overrides)
 
 
 # --- the schedule -------------------------------------------------------------------------------------
@@ -202,25 +198,18 @@ def ep_checks(mesh):
 # --- comm modes on the fake process group ------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_ep2():
-    try:
-        yield parallel.init_mesh(ep=2, fake=True)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_simulated_link_overlapped_schedule_exposes_less(fake_ep2):
+def test_simulated_link_overlapped_schedule_exposes_less():
     """On the simulated link the overlapped pair hides part of each all-to-all behind MLP_l, Attn_{l+1} and
     the shared expert; the serial schedule waits each at once, so all of it is exposed. (Only the direction
     is asserted: compute times are measured.)"""
     exposed = {}
-    for overlap in (False, True):
-        model = parallel.parallelize(build(moe_overlap=overlap).eval(), fake_ep2)
-        with comm.use_mode("simulated", link="ethernet-25g") as clock, torch.no_grad():
-            model(ids_of(2, 8))  # warm-up
-            clock.start()
-            model(ids_of(2, 8))
-            exposed[overlap] = clock.exposed
-            assert clock.comm_busy > 0
+    with fake_ep_mesh(2) as mesh:
+        for overlap in (False, True):
+            model = parallel.parallelize(build(moe_overlap=overlap).eval(), mesh)
+            with comm.use_mode("simulated", link="ethernet-25g") as clock, torch.no_grad():
+                model(ids_of(2, 8))  # warm-up
+                clock.start()
+                model(ids_of(2, 8))
+                exposed[overlap] = clock.exposed
+                assert clock.comm_busy > 0
     assert exposed[True] < exposed[False]
