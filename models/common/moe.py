@@ -167,7 +167,7 @@ class Routing:
 
 def take(t: torch.Tensor, keep: torch.Tensor, expected: int | None = None) -> torch.Tensor:
     """`t[keep]`. On the meta device, which has no values to select by, the first `expected` rows: the speed
-    simulator's stand-in (eval.simulate) for a selection whose size depends on the routing."""
+    simulator's stand-in (eval.simulator.replay) for a selection whose size depends on the routing."""
     if not t.is_meta:
         return t[keep]
     if expected is None:
@@ -439,7 +439,7 @@ def dispatch(
     slot = torch.empty_like(token_idx)
     slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
     if device.type == "meta":
-        # The speed simulator (eval.simulate) runs without values: the routing is taken to be the load the
+        # The speed simulator (eval.simulator.replay) runs without values: the routing is taken to be the load the
         # balance loss aims for, the assignments spread evenly over the experts (capacity then applied).
         counts, slots = balanced_counts(token_idx.numel(), num_experts, capacity), max(1, -(-token_idx.numel() // num_tokens))
         order = order[: sum(counts)]
