@@ -103,13 +103,7 @@ def plot_lines(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel(ylabel)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, Path(path), title)
 
 
 def plot_bars(
@@ -139,11 +133,7 @@ def plot_bars(
         ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_panels(path: Path, panels: list[tuple[str, dict]], *, xlabel: str, ylabel: str, logy: bool, ncols: int,
@@ -171,12 +161,17 @@ def plot_panels(path: Path, panels: list[tuple[str, dict]], *, xlabel: str, ylab
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+    return _save(fig, Path(path), title)
+
+
+def _save(fig, path: Path, title: str = "") -> Path:
+    """A figure (with a suptitle if given) to PNG at `path`, closed."""
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
