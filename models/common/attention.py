@@ -87,8 +87,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
 
     @classmethod
-    def from_config(cls, config, layer_idx: int) -> "Attention":
-        """The attention of a Llama-style config (hidden_size, heads, KV heads, head_dim, attention_bias)."""
+    def from_config(cls, config, layer_idx: int, **extra) -> "Attention":
+        """The attention of a Llama-style config (hidden_size, heads, KV heads, head_dim, attention_bias);
+        `extra`: a subclass's own keyword arguments."""
         return cls(
             config.hidden_size,
             config.num_attention_heads,
@@ -96,6 +97,7 @@ class Attention(nn.Module):
             config.head_dim,
             layer_idx,
             bias=config.attention_bias,
+            **extra,
         )
 
     def forward(

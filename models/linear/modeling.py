@@ -304,15 +304,7 @@ class LinearDecoderLayer(PreNormDecoderLayer):
         if config.is_linear_layer(layer_idx):
             self.self_attn = LinearAttention(config, layer_idx)
         else:
-            self.self_attn = SoftmaxAttention(
-                config.hidden_size,
-                config.num_attention_heads,
-                config.num_key_value_heads,
-                config.head_dim,
-                layer_idx,
-                bias=config.attention_bias,
-                sp_method=config.sp_method,
-            )
+            self.self_attn = SoftmaxAttention.from_config(config, layer_idx, sp_method=config.sp_method)
 
 
 # --- the model
