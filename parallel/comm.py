@@ -14,7 +14,12 @@ many rows it will receive from each peer (a small blocking all-to-all of the cou
 or a row per peer, e.g. one count per expert the peer holds).
 
 Modes (`set_mode`, or the `use_mode` context manager):
-- `real`: torch.distributed collectives (gloo on CPU, nccl on CUDA), `async_op=True`.
+- `real`: torch.distributed collectives (gloo on CPU, nccl on CUDA), `async_op=True`. Inside a region
+  torch.compile traces (`torch.compiler.is_compiling()`), the all-reduce (and the gradient all-reduce of
+  `copy_to_tp_region`) is a functional collective instead (`torch.distributed._functional_collectives`: out
+  of place, no copy) and `Handle.wait()` is its `wait_tensor`, at the same place in forward(): a tensor-
+  parallel forward and backward compile with `fullgraph=True` and the schedule is still the model's code.
+  The other collectives are not traceable yet (issue 18).
 - `none`: skip every collective and return the local tensor: the communication-free upper bound,
   same per-rank compute, meaningless values. An all-to-all whose receive counts differ from its send
   counts returns each send chunk cut or zero-padded to its receive count (right shape, still
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from parallel.link import VirtualClock, get_links
 from parallel.mesh import group_dim
@@ -121,7 +127,11 @@ class Handle:
             _state.clock.rebase()
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
+        if self._work is _FUNCTIONAL:
+            # A functional collective (under torch.compile): the wait is an op of the graph, here.
+            self._tensor = funcol.wait_tensor(self._tensor)
+            self._work = None
+        elif self._work is not None:
             self._work.wait()
             self._work = None
         if self._ready_at is not None:
@@ -155,6 +165,41 @@ def _nbytes(t: torch.Tensor) -> int:
 class _Box:
     work = None
     ready_at = None
+
+
+# `Handle._work` of a functional collective (torch.distributed._functional_collectives): waited with
+# `wait_tensor`, which a compiled graph holds as an op at the place forward() waits.
+_FUNCTIONAL = object()
+
+
+def _functional() -> bool:
+    """Real collectives inside torch.compile: functional ones (traceable, out of place, no copy)."""
+    return _state.mode == "real" and torch.compiler.is_compiling()
+
+
+class _FunctionalAllReduce(torch.autograd.Function):
+    """The all-reduce as a functional collective: no side effects, so that dynamo can trace it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None  # as _AllReduce
+
+
+class _FunctionalCopyToTPRegion(torch.autograd.Function):
+    """`_CopyToTPRegion` with the gradient's all-reduce functional (counted in `copy_to_tp_region`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad, "sum", ctx.group)), None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -357,6 +402,9 @@ def all_reduce(x: torch.Tensor, group) -> Handle:
     """Sum `x` over the ranks of `group`."""
     if not _active(group):
         return Handle(x)
+    if _functional():
+        _record("all_reduce", _nbytes(x), group)
+        return Handle(_FunctionalAllReduce.apply(x, group), _FUNCTIONAL)
     box = _Box()
     out = _AllReduce.apply(x, group, box)
     return Handle(out, box.work, box.ready_at)
@@ -496,4 +544,10 @@ def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Mark `x` as the replicated input of column-parallel layers (its gradient is all-reduced)."""
     if not _active(group):
         return x
+    if _functional():
+        # A traced backward may not count (no side effects inside a graph's autograd.Function): its
+        # all-reduce is counted here, when the forward makes it certain, so the totals are eager's.
+        if torch.is_grad_enabled() and x.requires_grad:
+            _record("all_reduce", _nbytes(x), group)
+        return _FunctionalCopyToTPRegion.apply(x, group)
     return _CopyToTPRegion.apply(x, group)
