@@ -12,8 +12,7 @@ from pathlib import Path
 
 from eval import report
 from models.gqla.convert import DEFAULT_CALIBRATION_BATCHES, calibrate, convert_model, load_source, summary
-from train.convert import calibration_batches, has_tokenizer
-from train.data import LMDataModule
+from train.convert import calibration_batches, source_data
 from train.metrics import evaluate_loss
 
 
@@ -31,9 +30,7 @@ def rank_sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     model = load_source(source)
     covs = calibrate(model, calibration_batches(source, calibration_batches_n))
-    data = LMDataModule(tokenizer=str(source) if has_tokenizer(source) else None, seed=0)
-    data.prepare_data()
-    data.setup("validate")
+    data = source_data(source, "validate")
     base = evaluate_loss(model, data.val_dataloader(), val_batches)["loss"]
     rows = []
     for rank in ranks:

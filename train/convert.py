@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM
 import models
 from models.checkpoint import save_checkpoint
 from models.registry import Converter
-from train.data import load_tokenizer
+from train.data import LMDataModule, load_tokenizer
 from train.metrics import evaluate_loss
 
 
@@ -43,15 +43,20 @@ def has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
-def calibration_batches(source: str | Path, num_batches: int) -> list[torch.Tensor]:
-    """The first `num_batches` training batches (token ids) of the bundled corpus, with the source's tokenizer
-    if it has one (else the bundled one): what a calibrated conversion reads."""
-    from train.data import LMDataModule
-
+def source_data(source: str | Path, stage: str) -> LMDataModule:
+    """The bundled corpus set up for `stage` ("fit", "validate"), tokenized with the source checkpoint's
+    tokenizer if it has one (else the bundled one)."""
     source = Path(source)
     data = LMDataModule(tokenizer=str(source) if has_tokenizer(source) else None, seed=0)
     data.prepare_data()
-    data.setup("fit")
+    data.setup(stage)
+    return data
+
+
+def calibration_batches(source: str | Path, num_batches: int) -> list[torch.Tensor]:
+    """The first `num_batches` training batches (token ids) of `source_data`: what a calibrated conversion
+    reads."""
+    data = source_data(source, "fit")
     out = []
     for batch in data.train_dataloader():
         out.append(batch["input_ids"])

@@ -49,11 +49,11 @@ def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     """Fail before measuring anything if a setting is out of range, an architecture cannot be built at the
     shape, or a degree point fits no architecture (each architecture's own `check_layout`). Returns which
     architectures run at each point and the notes of those skipped (`archs_at_points`)."""
-    check_generation_settings(cfg)
+    resolved = check_generation_settings(cfg)
     check_expert_throughput(cfg)
     check_sequence_parallel(cfg)
     check_decode_paths(cfg)
-    return archs_at_all_points(cfg)
+    return archs_at_all_points(resolved)
 
 
 def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:

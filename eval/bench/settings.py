@@ -169,9 +169,10 @@ def _check_points(points: list[dict[str, int]], what: str) -> None:
             raise ValueError(f"{what} point {d} has one rank, so no communication to measure; give a degree >= 2.")
 
 
-def check_generation_settings(cfg: dict) -> None:
+def check_generation_settings(cfg: dict) -> dict:
     """Fail before measuring anything if a setting of the generation section is out of range or an
-    architecture cannot be built at the shape (the sections' own checks: their modules)."""
+    architecture cannot be built at the shape (the sections' own checks: their modules). Returns `cfg` with
+    its real degrees resolved (`resolve_real`)."""
     check_compute(cfg)
     _check_degree_list(cfg["tp"], "TP")
     _check_degree_list(cfg.get("ep"), "EP")
@@ -218,11 +219,12 @@ def check_generation_settings(cfg: dict) -> None:
                         f"simulated.links entry {link} names no link for {missing}, which the point {d} "
                         f"communicates over; add one (e.g. {{{missing[0]}: pcie4}}) or give one preset for all."
                     )
+    return cfg
 
 
 def archs_at_all_points(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
-    """`archs_at_points` over the single-process and the real points; a real point's skip notes apart."""
-    cfg = resolve_real(cfg, resolve_device(cfg)[0].type)
+    """`archs_at_points` over the single-process and the real points (`cfg` with its real degrees resolved,
+    as `check_generation_settings` returns it); a real point's skip notes apart."""
     reals = real_points(cfg)
     archs_at, skipped = archs_at_points(cfg, bench_points(cfg))
     if reals:

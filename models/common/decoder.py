@@ -1,8 +1,9 @@
 """The standard pre-norm decoder block: x = x + Attn(LN1(x)); x = x + MLP(LN2(x)).
 
 Llama's layer, shared by every architecture built from it (Llama itself, Ladder's rewired stream,
-Kraken's streams, the MoE layers of `moe` and `moepp`, whose experts take the MLP's place). Parameter names are Hugging Face Llama's (`self_attn.q_proj`, `mlp.gate_proj`,
-`input_layernorm`, `post_attention_layernorm`), so HF Llama checkpoints load unchanged.
+Kraken's streams, the MoE layers of `moe` and `moepp`, whose experts take the MLP's place). Parameter
+names are Hugging Face Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
+`post_attention_layernorm`), so HF Llama checkpoints load unchanged.
 
 `PreNormAttention` is its attention sub-block alone, for a block that is laid out otherwise around it
 (ScMoE's MoE block).
