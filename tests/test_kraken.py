@@ -129,11 +129,13 @@ def test_streams_cache_layers_and_init():
     assert torch.equal(fresh.model.conjunction_bias, torch.zeros(config.hidden_size))
 
 
-def test_static_cache_is_one_clear_error():
+def test_transformers_static_cache_is_one_clear_error():
+    # transformers' StaticCache(config=...) has one layer per model layer; Kraken's own has one per stream.
     model = build()
     cache = StaticCache(config=model.config, max_cache_len=16)
-    with pytest.raises(ValueError, match=r"Kraken needs 8 KV-cache layers .* got a StaticCache with 4; use a DynamicCache"):
+    with pytest.raises(ValueError, match=r"Kraken needs 8 KV-cache layers .* got a StaticCache with 4; use .*static=True"):
         model(torch.randint(0, 256, (1, 4)), cache=cache, use_cache=True)
+    assert len(model.model.make_cache(max_cache_len=16, static=True).layers) == 8
 
 
 @pytest.mark.parametrize(

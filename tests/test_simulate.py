@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import models
 from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
-from eval.simulator.replay import NO_COMM, StaticKVLayer, build_meta, record_generation, release
+from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
+from models.common.cache import StaticKVLayer
 from models.ladder import modeling as ladder_modeling
 from models.moepp.entry import k_eff
 from parallel import comm
@@ -56,14 +57,20 @@ def test_attention_is_one_fused_kernel():
     assert clock.bytes == [2 * (2 * q.numel() + 2 * kv.numel())]
 
 
-def test_static_cache_writes_only_the_new_tokens():
-    layer = StaticKVLayer(max_cache_len=64)
-    k = torch.empty(1, 2, 4, 16, device="meta")
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_static_cache_writes_only_the_new_tokens(device):
+    # The simulator runs the bench's own static cache (models.common.cache), on the meta device too.
+    layer = StaticKVLayer(max_cache_len=64, device=device)
+    k = torch.zeros(1, 2, 4, 16, device=device)
     layer.update(k, k)
     with DeviceClock() as clock:
         keys, _ = layer.update(k[:, :, :1], k[:, :, :1])
-    assert keys.shape[2] == 64 and layer.get_seq_length() == 5
-    # two index_copy_ of one token's K (and V): source and index read, written once
+    assert keys.shape[2] == 64
+    if device == "cpu":
+        assert int(layer.get_seq_length()) == 5
+    # the fill level advanced on the device (one tiny kernel), then two index_copy_ of one token's K (and
+    # V): source and index read, written once
+    assert clock.names == ["aten::add", "aten::add_", "aten::index_copy_", "aten::index_copy_"]
     assert sum(clock.bytes) == 2 * 2 * (2 * 16 * 4 + 8)
 
 

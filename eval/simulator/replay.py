@@ -15,18 +15,19 @@ and the same inputs give the same numbers on any machine.
 
 Generation, as the Ladder paper's reference benchmark (gpt-fast) measures it: a prompt of `prompt_len`
 tokens (prefill, logits of the last position), then `new_tokens - 1` decode steps of one token;
-tokens/s = batch x new_tokens / (prefill + (new_tokens - 1) x decode step). Attention caches: where the
-architecture's cache hook gives the default growing cache, a static cache of prompt + new tokens (rounded up
-to 8) that attention reads in full at every step (the reference's); an architecture's own cache (latent,
-recurrent, per-stream) is used as it is. The decode step is recorded with the cache filled to the middle of
-the generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
+tokens/s = batch x new_tokens / (prefill + (new_tokens - 1) x decode step). Caches: the architecture's own
+static cache (`make_cache(..., static=True)`, models.common.cache: K/V, per-stream, latent or recurrent-state
+buffers of prompt + new tokens, rounded up to 8, that attention reads in full under a mask at every step,
+the fill level on the device: the reference's, and the real bench's compiled path's), or with
+`static_cache=False` its growing one. The decode step is recorded with the cache filled to the middle of the
+generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers.cache_utils import Cache, DynamicCache, StaticLayer
+from transformers.cache_utils import Cache
 
 import models
 import parallel
@@ -38,38 +39,12 @@ from parallel.link import ClockRecorder, LinkPreset
 NO_COMM = LinkPreset("no-comm", 0.0, float("inf"), "upper bound: communication costs nothing")
 
 
-class StaticKVLayer(StaticLayer):
-    """transformers' static KV layer (buffers of `max_cache_len` tokens, new tokens copied in place,
-    attention over the whole buffer) with its fill level kept as a Python int, so that it runs on the meta
-    device where a tensor counter cannot be read."""
-
-    def __init__(self, max_cache_len: int):
-        super().__init__(max_cache_len=max_cache_len)
-        self.filled = 0
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        if self.filled + n > self.max_cache_len:
-            raise ValueError(f"The static cache holds {self.max_cache_len} tokens; {self.filled} + {n} do not fit.")
-        index = torch.arange(self.filled, self.filled + n, device=self.device)
-        self.keys.index_copy_(2, index, key_states)
-        self.values.index_copy_(2, index, value_states)
-        self.filled += n
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.filled
-
-
 def make_cache(model, batch: int, max_len: int, static: bool = True) -> Cache:
-    """The architecture's own cache (its `make_cache` hook), or a static KV cache of `max_len` tokens where
-    that hook gives the default growing one and `static` is asked for."""
-    cache = model.model.make_cache(batch_size=batch, max_cache_len=max_len)
-    if static and type(cache) is DynamicCache:
-        return Cache(layers=[StaticKVLayer(max_len) for _ in range(model.config.num_hidden_layers)])
-    return cache
+    """The architecture's own cache (its `make_cache` hook): static (fixed buffers of `max_len` tokens, the fill
+    level on the device: the cache the real bench's compiled path uses) or growing."""
+    if static:
+        return model.model.make_cache(batch_size=batch, max_cache_len=max_len, static=True)
+    return model.model.make_cache(batch_size=batch, max_cache_len=max_len)
 
 
 def build_meta(arch: str, config, degrees: dict[str, int], dtype: torch.dtype = torch.bfloat16):

@@ -32,6 +32,14 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from models.common.attention import make_causal_mask
+from models.common.cache import (
+    StaticKVCache,
+    cache_capacity,
+    cache_start,
+    check_capacity,
+    is_static,
+    make_static_causal_mask,
+)
 from models.common.norm import RMSNorm
 from models.common.rotary import RotaryEmbedding, rope_inv_freq
 from models.registry import entry_for  # ZOO is filled when `models` is imported, after this module
@@ -248,17 +256,37 @@ class ZooDecoderModel(ZooPreTrainedModel):
         (e.g. only a decoupled key's d_r dims), or None when no layer uses rotary embeddings."""
         return RotaryEmbedding(config.rope_parameters, config.head_dim)
 
-    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> Cache:
+    def make_cache(
+        self, batch_size: int | None = None, max_cache_len: int | None = None, static: bool = False
+    ) -> Cache:
         """A fresh, empty cache for this model (the one hook where caches are made: `forward` with
-        `use_cache` and no cache, and `generate()`).
+        `use_cache` and no cache, `generate()`, the bench and the speed simulator).
 
         `batch_size` and `max_cache_len` (rows, and the most tokens it will hold; None = unknown) are for
         caches that allocate up front; the default, one growing `DynamicLayer` per model layer, needs
-        neither. Override to return any `Cache` subclass: a recurrent state per layer, a latent KV cache,
-        several cache layers per model layer, ... Under tensor parallelism it is made after sharding, so it
-        holds this rank's share (e.g. its KV heads).
+        neither. `static=True`: the cache of a compiled decode step (models.common.cache): fixed buffers of
+        `max_cache_len` tokens written in place, the fill level on the device; `generate(...,
+        cache_implementation="static")` asks for it. Override to return any `Cache` subclass (both forms): a
+        recurrent state per layer, a latent KV cache, several cache layers per model layer, ... Under tensor
+        parallelism it is made after sharding, so it holds this rank's share (e.g. its KV heads).
         """
+        if static:
+            return StaticKVCache(self.config.num_hidden_layers, self.static_capacity(max_cache_len), self.device)
         return DynamicCache(config=self.config)
+
+    def static_capacity(self, max_cache_len) -> int:
+        """`max_cache_len` checked for a static cache (a positive int), with the once-per-model warning when it
+        reaches past max_position_embeddings (a static cache's forward never reads its fill level on the host)."""
+        check_capacity(max_cache_len)
+        limit = self.config.max_position_embeddings
+        if max_cache_len > limit and not getattr(self, "_warned_long_input", False):
+            self._warned_long_input = True
+            warnings.warn(
+                f"A static cache of {max_cache_len} tokens reaches beyond max_position_embeddings={limit}; "
+                f"outputs past position {limit} are extrapolated (warned once per model).",
+                stacklevel=3,
+            )
+        return max_cache_len
 
     def sequence_offset(self, q_len: int) -> int:
         """How many tokens of each sequence come before this forward's `q_len` (not counting the cache).
@@ -286,12 +314,14 @@ class ZooDecoderModel(ZooPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, past_len: int, seq_offset: int = 0) -> None:
+    def _check_inputs(self, input_ids, inputs_embeds, past_len: int | None, seq_offset: int = 0) -> None:
         """One clear error for inputs that would fail deep inside the forward, or silently misbehave.
 
         Shape checks are free. The token-id range needs the ids' values, which on CUDA means a sync:
         it runs on prefill and training steps but not on single-token decode steps (those ids come
-        from the model's own output) nor under torch.compile (it would break the graph).
+        from the model's own output) nor under torch.compile (it would break the graph). `past_len` None:
+        a static cache, whose fill level is on the device (every single-token forward counts as decode, and
+        the position warning is `make_cache`'s, from the cache's length).
         """
         name, x, dims = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", inputs_embeds, 3)
         if x.dim() != dims:
@@ -306,7 +336,7 @@ class ZooDecoderModel(ZooPreTrainedModel):
         compiling = torch.compiler.is_compiling()
         # Skipped where it cannot read values: under compile, and on the meta device (the speed simulator
         # runs the real forward without values); and for single-token decode (a host sync per token).
-        if input_ids is not None and not compiling and not input_ids.is_meta and not (past_len > 0 and q_len == 1):
+        if input_ids is not None and not compiling and not input_ids.is_meta and not (past_len != 0 and q_len == 1):
             lowest, highest = torch.aminmax(input_ids)
             lowest, highest, vocab = int(lowest), int(highest), self.config.vocab_size
             if highest >= vocab:
@@ -321,6 +351,8 @@ class ZooDecoderModel(ZooPreTrainedModel):
                 )
         # RoPE extrapolates past max_position_embeddings without failing, but the model was not trained
         # there: say so once per model, not on every decode step.
+        if past_len is None:
+            return
         total = past_len + seq_offset + q_len
         limit = self.config.max_position_embeddings
         if total > limit and not compiling and not getattr(self, "_warned_long_input", False):
@@ -354,7 +386,9 @@ class ZooDecoderModel(ZooPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        past_len = cache.get_seq_length() if cache is not None else 0
+        static = is_static(cache)
+        # A static cache's fill level is a device tensor (models.common.cache); a growing cache's, an int.
+        past_len = None if static else (cache.get_seq_length() if cache is not None else 0)
         x = input_ids if input_ids is not None else inputs_embeds
         if seq_offset is None:  # (a malformed x is refused just below, by _check_inputs)
             seq_offset = self.sequence_offset(x.shape[1] if x.dim() > 1 else 0)
@@ -363,18 +397,34 @@ class ZooDecoderModel(ZooPreTrainedModel):
                 f"seq_offset={seq_offset!r} must be a non-negative int: the number of tokens of each sequence "
                 "before this chunk (under sequence parallelism, rank r of P holding tokens [r*N/P, (r+1)*N/P): r*N/P)."
             )
+        if static and seq_offset:
+            raise ValueError(
+                f"seq_offset={seq_offset}: a static cache holds whole sequences from position 0; a chunk of a "
+                "sequence-parallel forward runs without a cache."
+            )
         self._check_inputs(input_ids, inputs_embeds, past_len, seq_offset)
         batch, q_len = x.shape[:2]
         if use_cache and cache is None:
             cache = self.make_cache(batch_size=batch)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if position_ids is None:
-            start = past_len + seq_offset
-            position_ids = torch.arange(start, start + q_len, device=inputs_embeds.device)[None]
-        mask = make_causal_mask(
-            attention_mask, q_len, past_len, inputs_embeds.device, batch_size=batch, q_offset=seq_offset
-        )
+        device = inputs_embeds.device
+        if static:
+            # Positions and mask from the device-side fill level: the same graph for every decode step.
+            start = cache_start(cache, device)
+            if position_ids is None:
+                position_ids = (start + torch.arange(q_len, device=device))[None]
+            capacity = cache_capacity(cache)
+            if capacity is None:  # recurrent states only: the mask says which of this chunk's tokens are padding
+                chunk = None if attention_mask is None else attention_mask[:, -q_len:]
+                mask = make_static_causal_mask(chunk, start.new_zeros(()), q_len, q_len, device, batch)
+            else:
+                mask = make_static_causal_mask(attention_mask, start, q_len, capacity, device, batch)
+        else:
+            if position_ids is None:
+                start = past_len + seq_offset
+                position_ids = torch.arange(start, start + q_len, device=device)[None]
+            mask = make_causal_mask(attention_mask, q_len, past_len, device, batch_size=batch, q_offset=seq_offset)
         position_embeddings = None if self.rotary_emb is None else self.rotary_emb(inputs_embeds, position_ids)
         out = self.run_layers(inputs_embeds, position_embeddings, mask, cache)
         hidden_states, aux_losses = out if isinstance(out, tuple) else (out, {})
@@ -441,19 +491,28 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             loss = lm_loss + sum(aux_losses.values()) if aux_losses else lm_loss
         return ZooCausalLMOutput(loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, aux_losses=aux_losses)
 
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask=None, **kwargs):
+        """generate() on a static cache turns the 2-D padding mask into transformers' 4-D mask before each
+        forward; the trunk builds its own from the 2-D one (and the cache's device-side fill level), so it is
+        passed on as it is."""
+        return attention_mask
+
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
         """`generate()`'s cache: the trunk's `make_cache`, where transformers would build its default
-        `DynamicCache(config=...)` (which has no place for an architecture's own cache).
+        `DynamicCache(config=...)` or its `StaticCache(config=...)` (neither has a place for an architecture's
+        own cache: Kraken's per-stream layers, GQLA's latent, linear attention's states).
+        `cache_implementation="static"` gives `make_cache(..., static=True)` of generate's max length.
 
-        A cache passed by the caller, `use_cache=False` and an explicit `cache_implementation` ("static",
-        "offloaded", "quantized", ...) keep transformers' handling (transformers 5.x GenerationMixin).
+        A cache passed by the caller, `use_cache=False` and the other `cache_implementation`s ("offloaded",
+        "quantized", ...) keep transformers' handling (transformers 5.x GenerationMixin).
         """
+        implementation = generation_config.cache_implementation
         own = (
             model_kwargs.get("cache") is None
             and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
+            and implementation in (None, "dynamic", "static")
         )
         if not own:
             return super()._prepare_cache_for_generation(
@@ -461,7 +520,11 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             )
         # Beams and returned sequences each take a row, as in transformers' own sizing of static caches.
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-        cache = self.model.make_cache(batch_size=rows, max_cache_len=max_cache_length)
+        if implementation == "static" and generation_config.max_cache_len is not None:
+            max_cache_length = max(max_cache_length, generation_config.max_cache_len)
+        # `static` only when asked: an override of the hook written before it had the keyword still serves.
+        static = {"static": True} if implementation == "static" else {}
+        cache = self.model.make_cache(batch_size=rows, max_cache_len=max_cache_length, **static)
         if generation_config.is_assistant:  # assisted decoding rolls the assistant's cache back
             cache.activate_past_recording()
         model_kwargs["cache"] = cache

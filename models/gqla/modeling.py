@@ -25,6 +25,8 @@ Caches (made by the trunk's `make_cache` hook, so forward and generate() get the
   twice.
 - `GroupedKVCache` (gqa): a transformers `DynamicLayer` per layer with keys [B, n_g, T, d_nope + d_r] and
   values [B, n_g, T, d_v] (this rank's groups under TP).
+`make_cache(max_cache_len=N, static=True)` gives either in static buffers (`StaticLatentLayer`,
+models.common.cache's `StaticKVLayer`), for a compiled decode step.
 `model.expand_cache(latent_cache)` (or `latent_cache.to_gqa(model)`) up-projects an absorb cache into gqa
 form, so decoding can switch paths mid-sequence. A plain transformers cache (DynamicCache) also works, on
 whichever one path fills it.
@@ -45,6 +47,7 @@ from models.common import (
     ZooPreTrainedModel,
     apply_rotary_pos_emb,
 )
+from models.common.cache import StaticKVLayer, cache_capacity, is_static
 from models.gqla.configuration import ATTN_PATHS, ZooGQLAConfig
 from models.gqla.sharding import PLAN
 from parallel import comm
@@ -63,13 +66,28 @@ class LatentLayer(DynamicLayer):
         return None if self.keys is None or not self.is_initialized else self.keys[:, 0]
 
 
+class StaticLatentLayer(StaticKVLayer):
+    """`LatentLayer` in a static buffer of `max_cache_len` tokens (models.common.cache): keys
+    [B, 1, max_cache_len, d_c + d_r], zero-width values, the fill level on the device."""
+
+    @property
+    def latent(self) -> torch.Tensor | None:
+        """[B, max_cache_len, d_c + d_r] (slots past the fill level are empty), or None before the first token."""
+        return self.keys[:, 0] if self.is_initialized else None
+
+
 class LatentCache(Cache):
-    """The absorb path's cache: a `LatentLayer` per model layer."""
+    """The absorb path's cache: a `LatentLayer` per model layer (a `StaticLatentLayer` of `max_cache_len`
+    tokens with `max_cache_len` given)."""
 
     attn_path = "absorb"
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[LatentLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, max_cache_len: int | None = None, device=None):
+        if max_cache_len is None:
+            layers = [LatentLayer() for _ in range(num_layers)]
+        else:
+            layers = [StaticLatentLayer(max_cache_len, device) for _ in range(num_layers)]
+        super().__init__(layers=layers)
 
     def to_gqa(self, model) -> "GroupedKVCache":
         """This cache in gqa form, up-projected with `model`'s weights (see `ZooGQLAModel.expand_cache`)."""
@@ -77,12 +95,17 @@ class LatentCache(Cache):
 
 
 class GroupedKVCache(Cache):
-    """The gqa path's cache: per layer, each (local) group's keys [W_UK^(g) c ; k_r] and values W_UV^(g) c."""
+    """The gqa path's cache: per layer, each (local) group's keys [W_UK^(g) c ; k_r] and values W_UV^(g) c
+    (static buffers of `max_cache_len` tokens with `max_cache_len` given)."""
 
     attn_path = "gqa"
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, max_cache_len: int | None = None, device=None):
+        if max_cache_len is None:
+            layers = [DynamicLayer() for _ in range(num_layers)]
+        else:
+            layers = [StaticKVLayer(max_cache_len, device) for _ in range(num_layers)]
+        super().__init__(layers=layers)
 
 
 # --- the attention
@@ -232,10 +255,13 @@ class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):
         """RoPE over the d_r dims of the decoupled key and of each query head's rope part, nothing else."""
         return RotaryEmbedding(config.rope_parameters, config.qk_rope_head_dim)
 
-    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> Cache:
-        """The current path's cache: [c ; k_r] per layer (absorb) or this rank's groups' K and V (gqa)."""
+    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None, static: bool = False) -> Cache:
+        """The current path's cache: [c ; k_r] per layer (absorb) or this rank's groups' K and V (gqa);
+        `static`: in fixed buffers of `max_cache_len` tokens."""
         layers = self.config.num_hidden_layers
-        return LatentCache(layers) if self.config.attn_path == "absorb" else GroupedKVCache(layers)
+        size = self.static_capacity(max_cache_len) if static else None
+        kind = LatentCache if self.config.attn_path == "absorb" else GroupedKVCache
+        return kind(layers, size, self.device)
 
     @property
     def tp_sharded(self) -> bool:
@@ -262,10 +288,16 @@ class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):
                 f"expand_cache takes the absorb path's LatentCache ([c ; k_r] per token), not a "
                 f"{type(cache).__name__}; a gqa cache is already expanded."
             )
-        out = GroupedKVCache(len(cache.layers))
+        static = is_static(cache)
+        size = cache_capacity(cache) if static else None
+        out = GroupedKVCache(len(cache.layers), size, self.device)
         for layer, old, new in zip(self.layers, cache.layers, out.layers, strict=True):
             if old.latent is not None:
+                # A static buffer is expanded whole (slots past the fill level stay masked), then takes the
+                # latent's fill level.
                 new.update(*layer.self_attn.expand(old.keys))
+                if static:
+                    new.cumulative_length.copy_(old.cumulative_length)
         return out
 
     def kv_bytes_per_token(self, path: str | None = None, dtype: torch.dtype | None = None) -> int:

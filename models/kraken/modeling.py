@@ -17,8 +17,8 @@ ranks. Each stream is a Llama decoder block (the shared pre-norm block), with it
 
 KV cache: stream i of layer l has its own cache layer, l * k + i (under TP, where rank i holds one
 stream per layer, l). The model's `make_cache` hook (used by forward and `generate()`) makes a
-DynamicCache of that many layers; a cache made by the caller the transformers way,
-`DynamicCache(config=...)`, has one layer per model layer, so `run_layers` tops it up.
+DynamicCache of that many layers (static=True: a StaticKVCache of that many); a cache made by the caller
+the transformers way, `DynamicCache(config=...)`, has one layer per model layer, so `run_layers` tops it up.
 """
 
 import math
@@ -29,6 +29,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.common.cache import StaticKVCache
 from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
 from models.kraken.configuration import ZooKrakenConfig
 from models.kraken.sharding import PLAN
@@ -82,7 +83,9 @@ class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
         """One cache layer per stream this process holds in every layer: L * k, or L under TP."""
         return sum(len(layer.streams) for layer in self.layers)
 
-    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> Cache:
+    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None, static: bool = False) -> Cache:
+        if static:  # one static KV layer per stream this process holds
+            return StaticKVCache(self.num_cache_layers(), self.static_capacity(max_cache_len), self.device)
         return _reserve_cache_layers(DynamicCache(config=self.config), self.num_cache_layers())
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
@@ -119,7 +122,8 @@ def _reserve_cache_layers(cache: Cache | None, n: int) -> Cache | None:
     if not all(type(layer) is DynamicLayer for layer in cache.layers):
         raise ValueError(
             f"Kraken needs {n} KV-cache layers (one per stream of every layer) but got a {type(cache).__name__} "
-            f"with {len(cache.layers)}; use a DynamicCache (the default)."
+            f"with {len(cache.layers)}; use model.model.make_cache() (a growing cache), or "
+            "make_cache(max_cache_len=..., static=True) for a static one."
         )
     cache.layers.extend(DynamicLayer() for _ in range(n - len(cache.layers)))
     return cache

@@ -49,6 +49,7 @@ from models.common import (
     ZooForCausalLM,
     ZooPreTrainedModel,
 )
+from models.common.cache import StaticKVLayer, StaticStateLayer, is_static
 from models.linear.configuration import ZooLinearConfig
 from models.linear.ops import linear_attention
 from models.linear.sharding import PLAN
@@ -173,13 +174,20 @@ class LinearStateLayer(CacheLayerMixin):
 class LinearCache(Cache):
     """The cache of a Linear-Llama: a `LinearStateLayer` per linear layer (O(1) in the tokens) and a growing
     KV `DynamicLayer` per softmax layer of a hybrid (`cache.update(k, v, layer_idx)`, as the shared
-    Attention uses it)."""
+    Attention uses it). With `max_cache_len`: the static form, a `StaticStateLayer` per linear layer and a
+    `StaticKVLayer` per softmax layer (models.common.cache), for a compiled decode step."""
 
-    def __init__(self, config: ZooLinearConfig):
-        layers = [
-            LinearStateLayer() if config.is_linear_layer(i) else DynamicLayer()
-            for i in range(config.num_hidden_layers)
-        ]
+    def __init__(self, config: ZooLinearConfig, max_cache_len: int | None = None, device=None):
+        if max_cache_len is None:
+            layers = [
+                LinearStateLayer() if config.is_linear_layer(i) else DynamicLayer()
+                for i in range(config.num_hidden_layers)
+            ]
+        else:  # static (models.common.cache): states overwritten in place, K/V in buffers of max_cache_len
+            layers = [
+                StaticStateLayer(device) if config.is_linear_layer(i) else StaticKVLayer(max_cache_len, device)
+                for i in range(config.num_hidden_layers)
+            ]
         super().__init__(layers=layers)
 
     def get_state(self, layer_idx: int) -> torch.Tensor | None:
@@ -251,7 +259,12 @@ class LinearAttention(nn.Module):
             # Padding: the trunk's mask [B, 1, q_len, keys] lets its last query see every key of this chunk
             # except padding (and itself); a padded token's key then adds nothing to the state. The chunk's
             # last token always counts (the mask cannot say it is padding): pad on the left, as generate does.
-            k = k * attention_mask[:, :, -1:, -q_len:].transpose(-1, -2).to(k.dtype)
+            last = attention_mask[:, :, -1:, :]
+            if attention_mask.shape[-1] != q_len and is_static(cache):
+                # A static cache's mask spans its K/V buffer: this chunk's keys sit at its fill level.
+                chunk = cache.layers[self.layer_idx].cumulative_length + torch.arange(q_len, device=k.device)
+                last = last.index_select(-1, chunk)
+            k = k * last[..., -q_len:].transpose(-1, -2).to(k.dtype)
         o = self.mix(q, k, v, cache)
         o = self.o_norm(o.transpose(1, 2)).reshape(bsz, q_len, -1)
         return self.o_proj(o * F.silu(self.g_proj(x)))
@@ -340,8 +353,13 @@ class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
         """RoPE for the softmax layers of a hybrid; a pure linear model has no positions at all."""
         return super().make_rotary(config) if config.num_linear_layers < config.num_hidden_layers else None
 
-    def make_cache(self, batch_size: int | None = None, max_cache_len: int | None = None) -> LinearCache:
-        """States for the linear layers, KV caches for the softmax layers; neither needs sizes up front."""
+    def make_cache(
+        self, batch_size: int | None = None, max_cache_len: int | None = None, static: bool = False
+    ) -> LinearCache:
+        """States for the linear layers, KV caches for the softmax layers; neither needs sizes up front
+        (`static`: the states in place and the K/V in buffers of `max_cache_len` tokens)."""
+        if static:
+            return LinearCache(self.config, self.static_capacity(max_cache_len), self.device)
         return LinearCache(self.config)
 
 
