@@ -19,6 +19,8 @@ Modes (`set_mode`, or the `use_mode` context manager):
   `copy_to_tp_region`) is a functional collective instead (`torch.distributed._functional_collectives`: out
   of place, no copy) and `Handle.wait()` is its `wait_tensor`, at the same place in forward(): a tensor-
   parallel forward and backward compile with `fullgraph=True` and the schedule is still the model's code.
+  Traced collectives are not counted at run time (see `_record`); `graph_collectives(gm)` reads them off
+  the compiled graph.
   The other collectives are not traceable yet (issue 18).
 - `none`: skip every collective and return the local tensor: the communication-free upper bound,
   same per-rank compute, meaningless values. An all-to-all whose receive counts differ from its send
@@ -145,7 +147,13 @@ def _active(group) -> bool:
 
 
 def _record(kind: str, nbytes: int, group, peer_bytes=None, counter: str | None = None) -> float | None:
-    """Count a collective; when simulated, put it on its group's link and return when it is ready."""
+    """Count a collective; when simulated, put it on its group's link and return when it is ready.
+
+    Nothing is counted while torch.compile traces: a count there would be replayed after the graph, but its
+    read of the counters would be a guard on their values, and a compiled decode step would recompile at
+    every step. A compiled graph's collectives are its functional-collective nodes (`graph_collectives`)."""
+    if torch.compiler.is_compiling():
+        return None
     counters[counter or kind]["calls"] += 1
     counters[counter or kind]["bytes"] += nbytes
     if _state.mode != "simulated":
@@ -403,7 +411,6 @@ def all_reduce(x: torch.Tensor, group) -> Handle:
     if not _active(group):
         return Handle(x)
     if _functional():
-        _record("all_reduce", _nbytes(x), group)
         return Handle(_FunctionalAllReduce.apply(x, group), _FUNCTIONAL)
     box = _Box()
     out = _AllReduce.apply(x, group, box)
@@ -545,9 +552,34 @@ def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     if not _active(group):
         return x
     if _functional():
-        # A traced backward may not count (no side effects inside a graph's autograd.Function): its
-        # all-reduce is counted here, when the forward makes it certain, so the totals are eager's.
-        if torch.is_grad_enabled() and x.requires_grad:
-            _record("all_reduce", _nbytes(x), group)
         return _FunctionalCopyToTPRegion.apply(x, group)
     return _CopyToTPRegion.apply(x, group)
+
+
+# The functional collectives a compiled graph holds, by the kind `_record` counts them under.
+_GRAPH_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
+    """The collectives of a traced graph (an AOT forward or backward graph), as `snapshot_counters` gives
+    them for the eager run of the same code: {kind: {"calls", "bytes"}}, bytes = each op's input."""
+    found = defaultdict(lambda: {"calls": 0, "bytes": 0})
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            # An op's name reads "_c10d_functional.all_reduce" (dynamo's graph) or "...all_reduce.default" (AOT's).
+            namespace, _, name = str(node.target).partition(".")
+            name = name.split(".")[0]
+            if node.op != "call_function" or namespace != "_c10d_functional" or name not in _GRAPH_KINDS:
+                continue
+            meta = node.args[0].meta  # AOT graphs say "val", dynamo's (and its subgraphs) "example_value"
+            value = meta["val"] if "val" in meta else meta["example_value"]
+            found[_GRAPH_KINDS[name]]["calls"] += 1
+            found[_GRAPH_KINDS[name]]["bytes"] += value.numel() * value.element_size()
+    return {kind: dict(c) for kind, c in found.items()}

@@ -4,7 +4,7 @@ greedy sampler is part of each step, so a compiled step is the whole step: nothi
 steps but the next launch.
 
     cache = model.model.make_cache(batch_size=B, max_cache_len=N, static=True)   # models.common.cache
-    prefill_fn, step_fn = compile_steps(mode="reduce-overhead")                  # or (prefill, decode_step)
+    prefill_fn, step_fn, graphs = compile_steps(mode="reduce-overhead")          # or (prefill, decode_step)
     token, logits = prefill_fn(model, ids, cache)
     for _ in range(new_tokens - 1):
         token, logits = step_fn(model, token, cache)
@@ -12,10 +12,13 @@ steps but the next launch.
 `compile_steps` is gpt-fast's recipe: the decode step with `fullgraph=True` (and `mode="reduce-overhead"`,
 CUDA graphs, on CUDA), the prefill with `fullgraph=True, dynamic=False`. With a static cache every decode
 step has the same shapes and reads its position on the device, so one graph serves them all; in real comm
-mode under compile `parallel.comm` issues functional collectives, waited where each forward() waits them.
+mode under compile `parallel.comm` issues functional collectives, waited where each forward() waits them;
+they are not counted at run time, so `CountingBackend` reads them off each compiled graph.
 """
 
 import torch
+
+from parallel import comm
 
 # What compile_steps sets for inductor when it compiles (the reference's): the scheduler may move compute
 # between a collective's issue and its wait.
@@ -36,18 +39,40 @@ def decode_step(model, token: torch.Tensor, cache) -> tuple[torch.Tensor, torch.
     return logits.argmax(-1, keepdim=True), logits
 
 
-def compile_steps(mode: str | None = None, backend="inductor"):
-    """(prefill, decode_step) compiled: both `fullgraph=True` (a graph break is an error, not a slowdown),
-    prefill `dynamic=False`, the decode step under `mode` ("reduce-overhead": CUDA graphs; None on CPU,
-    where CUDA graphs do not exist). Inductor's compute/communication reordering is switched on."""
+class CountingBackend:
+    """A torch.compile backend that reads each graph's collectives (`parallel.comm.graph_collectives`: a
+    compiled graph's are not counted at run time), then compiles it with `backend` ("inductor", with
+    `mode="reduce-overhead"` its CUDA graphs; or any registered backend name, e.g. "aot_eager").
+    `graphs`: one {kind: {"calls", "bytes"}} per graph compiled (1 when every call reused the first)."""
+
+    def __init__(self, backend: str = "inductor", mode: str | None = None):
+        self.backend, self.mode = backend, mode
+        self.graphs: list[dict] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(comm.graph_collectives(gm))
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            # torch.compile(mode="reduce-overhead") is inductor with these options.
+            patches = torch._inductor.list_mode_options(self.mode) if self.mode else {}
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+def compile_steps(mode: str | None = None, backend: str = "inductor"):
+    """(prefill, decode_step, {"prefill": CountingBackend, "decode": CountingBackend}): both steps compiled
+    with `fullgraph=True` (a graph break is an error, not a slowdown) and `dynamic=False`, the decode step
+    under `mode` ("reduce-overhead": CUDA graphs; None on CPU, where there are none). Inductor's
+    compute/communication reordering is switched on."""
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
         for name, value in INDUCTOR_OVERLAP.items():
             setattr(inductor_config, name, value)
-    options = {"backend": backend, "fullgraph": True}
-    step_options = dict(options, mode=mode) if mode is not None else options
+    backends = {"prefill": CountingBackend(backend), "decode": CountingBackend(backend, mode)}
     return (
-        torch.compile(prefill, dynamic=False, **options),
-        torch.compile(decode_step, dynamic=False, **step_options),
+        torch.compile(prefill, fullgraph=True, dynamic=False, backend=backends["prefill"]),
+        torch.compile(decode_step, fullgraph=True, dynamic=False, backend=backends["decode"]),
+        backends,
     )
