@@ -21,7 +21,10 @@ Modes (`set_mode`, or the `use_mode` context manager):
   parallel forward and backward compile with `fullgraph=True` and the schedule is still the model's code.
   Traced collectives are not counted at run time (see `_record`); `graph_collectives(gm)` reads them off
   the compiled graph.
-  The other collectives are not traceable yet (issue 18).
+  An all-to-all whose splits are known on the host (equal splits, or splits given as ints: what the MoE
+  family's "padded" dispatch sends, models/common/moe.py) is one too: `funcol.all_to_all_single`, its
+  backward the all-to-all with the splits swapped. `exchange_splits` (the dropless dispatch's count
+  exchange, read on the host) and the other collectives are not traceable yet (issue 18).
 - `none`: skip every collective and return the local tensor: the communication-free upper bound,
   same per-rank compute, meaningless values. An all-to-all whose receive counts differ from its send
   counts returns each send chunk cut or zero-padded to its receive count (right shape, still
@@ -208,6 +211,22 @@ class _FunctionalCopyToTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return funcol.wait_tensor(funcol.all_reduce(grad, "sum", ctx.group)), None
+
+
+class _FunctionalAllToAll(torch.autograd.Function):
+    """The all-to-all as a functional collective (host-known splits; None = equal), as `_AllToAll`: the
+    backward sends each gradient row back where it came from (splits swapped), waited at once. Not counted
+    at run time (`_record`): `graph_collectives` finds both in the graph."""
+
+    @staticmethod
+    def forward(ctx, x, group, send, recv):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return funcol.all_to_all_single(x.contiguous(), recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = funcol.all_to_all_single(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
+        return funcol.wait_tensor(back), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -471,6 +490,10 @@ def all_to_all(x: torch.Tensor, group, send_splits=None, recv_splits=None) -> Ha
         return Handle(x)
     if _state.mode == "none" and recv == send:
         return Handle(x)
+    if _functional():
+        # Host-known splits (the count exchange above, if any, is not traceable: graphs hold none). Not
+        # counted at run time (`_record`): `graph_collectives` reads it off the graph.
+        return Handle(_FunctionalAllToAll.apply(x, group, send, recv), _FUNCTIONAL)
     box = _Box()
     out = _AllToAll.apply(x, group, send, recv, box)
     return Handle(out, box.work, box.ready_at)

@@ -13,13 +13,17 @@ from models.common.mlp import SwiGLUMLP
 from models.common.moe import (
     GroupedExperts,
     MoEDispatch,
+    PaddedDispatch,
     Routing,
     SparseMoE,
     TopKRouter,
     capacity,
     dispatch,
+    dispatch_padded,
+    dropped_assignments,
     init_moe_weights,
     load_balance_loss,
+    set_moe_dispatch,
     update_balance_biases,
 )
 from models.common.norm import RMSNorm
@@ -29,6 +33,7 @@ __all__ = [
     "Attention",
     "GroupedExperts",
     "MoEDispatch",
+    "PaddedDispatch",
     "PreNormDecoderLayer",
     "RMSNorm",
     "RotaryEmbedding",
@@ -44,9 +49,12 @@ __all__ = [
     "apply_rotary_pos_emb",
     "capacity",
     "dispatch",
+    "dispatch_padded",
+    "dropped_assignments",
     "init_moe_weights",
     "load_balance_loss",
     "make_causal_mask",
     "rope_inv_freq",
+    "set_moe_dispatch",
     "update_balance_biases",
 ]

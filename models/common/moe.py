@@ -26,6 +26,8 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
   offsets (fp32 / bf16 / fp16, eager); a loop over experts where grouped_mm cannot run (fp64, fp32 under
   torch.compile) or with `impl="loop"`. grouped_mm needs every row to be a multiple of 16 bytes, so
   hidden_size and intermediate_size must be multiples of 8 (8 bf16 values; `check_expert_widths`).
+  `forward_padded(x [E_local, N, d])`: the same experts on N rows each, a batched matmul (the padded
+  dispatch's fixed shape; any dtype, compiles).
 - `dispatch(x [T, d], assignments, experts, ep_group=None, capacity=None) -> MoEDispatch`, then
   `.compute()`, then `.combine() -> [T, d]`: the three steps of an MoE layer split so that an architecture
   places each wait where it wants (ScMoE overlaps them with its dense block):
@@ -44,13 +46,46 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
   capacity_factor)` = top_k * ceil(capacity_factor * num_tokens / num_experts) (specs/moe.md) with the
   rank's own token count: every rank feeding the same batch shape gets the same C. Counts are exchanged
   before every all-to-all, so no choice of C can hang one; C bounds each expert's rows (at most P * C).
+- `dispatch_padded(x [T, d], assignments, experts, ep_group=None, capacity=None, valid=None) -> PaddedDispatch`
+  (then `.compute()`, `.combine()`, as above): the "padded" dispatch, whose every size is known on the host,
+  so that no device-to-host copy stops a CUDA graph or `torch.compile(fullgraph=True)` from holding an MoE
+  step (low-latency EP kernels such as DeepEP's do the same). Each rank sends exactly C rows to each of the
+  E experts: a fixed [E * C, d] buffer, expert e's rows at [e C, (e + 1) C) in assignment order (earlier
+  tokens first), padding rows zero, split evenly over the ep ranks (E/P * C rows each: the equal-split
+  `comm.all_to_all`, a functional collective under torch.compile). `compute()` runs the local experts as a
+  batched matmul on [E/P, P * C, d] (`GroupedExperts.forward_padded`: no counts; a padding row gives 0)
+  and sends the rows back the same way; `combine()` gathers each assignment's row back by its fixed index
+  (the row it was sent in), weights it by its gate (0 for a dropped one) and sums each token's rows in a
+  fixed order as above. `capacity` defaults to T, the rank's token count: a token picks an expert at most
+  once, so C = T never drops and padded == dropless (the experts compute E T rows where dropless computes
+  k T: the price of fixed sizes, small at decode). `padded_capacity(T, E, top_k, factor)` gives the
+  smaller C = ceil(factor * T * top_k / E) (at least 1, at most T). An expert with more than C assignments
+  from one rank keeps its first C; the rest are dropped (the token keeps its residual and its other
+  experts), and `PaddedDispatch.dropped` counts them on the device (no host read). `valid` [A] (bool)
+  marks the assignments to send; the others (MoE++'s zero-computation experts, assignments over MoE++'s
+  own capacities) stay in the fixed layout as invalid: no boolean selection, so no data-dependent size,
+  and their expert ids are not read. Needs every token to have the same number of assignments (k = A / T,
+  token-major as `TopKRouter` gives them, in any order) and every ep rank to feed the same T (C, hence
+  the all-to-all's size, is computed on each rank from its own T). On the meta device (the speed
+  simulator) it runs as it is, with no value read: the simulator sees the padded buffers' real sizes.
+- Selecting the dispatch: `MOE_DISPATCHES` = ("dropless", "padded"); an MoE block (`SparseMoE`, MoE++'s
+  layer) keeps `moe_dispatch` and `dispatch_capacity_factor` (from the config fields of the same names,
+  checked by `check_moe_dispatch`; models/common/moe_config.py), and `set_moe_dispatch(model, mode,
+  capacity_factor=None)` (also the models' `model.set_moe_dispatch(...)`) switches every block of a model
+  and its config at run time: dropless to train, padded to decode. Each block counts the assignments its
+  padded dispatches dropped in a non-persistent buffer `dropped_assignments` (a 0-d int64 tensor, added to
+  in forward on the device); `dropped_assignments(model, reset=False) -> int` sums this rank's over the
+  model's blocks (one host read, after the step) and `reset=True` zeroes them. In padded mode a block with
+  a `capacity_factor` (the dropless path's cap) sends at most min(that cap, C) rows per expert, the same
+  first-in-assignment-order rule, and the drops are counted too.
 - `SparseMoE(hidden_size, intermediate_size, num_experts, top_k, ...)`: router + experts with
   `forward(x [B, T, d]) -> (y, aux)`: route, dispatch, compute and combine at once (the vanilla MoE
   schedule); `aux` = {"load_balance": aux_loss_coef * balance loss} in training mode, {} otherwise.
   Its steps, for an architecture that places the waits itself (ScMoE): `dispatch(x [T, d]) -> (pending,
   routing)` (routed with the block's capacity, the all-to-all issued), then `pending.compute()`,
   `pending.combine()`, and `balance_loss(routing)` (unweighted; None outside training).
-  `ep_group` is None on one device and set by the expert-parallel layout.
+  `ep_group` is None on one device and set by the expert-parallel layout. `moe_dispatch="padded"` (with
+  `dispatch_capacity_factor`) routes through `dispatch_padded` instead, in `dispatch` and `forward` alike.
 
 Expert parallelism (parallel/ep.py, "experts" role): rank r of P keeps experts [r E/P, (r+1) E/P) of a
 `GroupedExperts` (`num_experts` stays the global E, `num_local_experts` becomes E/P) and its MoE block gets
@@ -77,6 +112,7 @@ from parallel import comm
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("grouped_mm", "loop")
+MOE_DISPATCHES = ("dropless", "padded")
 # grouped_mm reads rows whose byte length is a multiple of 16: 8 values at 2 bytes (bf16 / fp16), which
 # also covers fp32's 4. A model's widths must fit every dtype it may be cast to.
 WIDTH_MULTIPLE = 8
@@ -125,6 +161,35 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (None: dropless).")
     return top_k * math.ceil(capacity_factor * num_tokens / num_experts)
+
+
+def check_moe_dispatch(mode: str, capacity_factor: float | None = None) -> None:
+    """One clear error for an MoE dispatch (`moe_dispatch`) or a padded capacity factor that does not fit."""
+    if not isinstance(mode, str) or mode not in MOE_DISPATCHES:
+        raise ValueError(
+            f"moe_dispatch={mode!r} is not an MoE dispatch; choose one of {MOE_DISPATCHES}: 'dropless' (exact, "
+            "the all-to-all sized by counts read off the device; the default, for training) or 'padded' (a fixed "
+            "capacity per expert, every size known on the host: for decode under CUDA graphs / torch.compile)."
+        )
+    factor = capacity_factor
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor) or factor <= 0
+    ):
+        raise ValueError(
+            f"dispatch_capacity_factor={factor!r} must be a finite number > 0 (the padded dispatch's capacity per "
+            "expert is then ceil(factor * tokens * top_k / experts)), or None for a capacity of every token (the "
+            "padded dispatch never drops)."
+        )
+
+
+def padded_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None = None) -> int:
+    """The padded dispatch's rows per (rank, expert): T (`capacity_factor` None: a token picks an expert at
+    most once, so nothing is dropped), else ceil(capacity_factor * T * top_k / E), at least 1 and at most T.
+    From the rank's own token count: every rank fed the same batch shape gets the same C."""
+    check_moe_dispatch("padded", capacity_factor)
+    if capacity_factor is None:
+        return max(1, num_tokens)
+    return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
 
 
 def balanced_counts(assignments: int, num_experts: int, capacity: int | None = None) -> list[int]:
@@ -312,6 +377,17 @@ class GroupedExperts(nn.Module):
         out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         return _ContiguousGrad.apply(out)
 
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [E_local, N, d]: N rows for each local expert (the padded dispatch's fixed layout; a zero row
+        gives a zero row). One batched matmul chain, [E_local, N, d] out."""
+        if x.dim() != 3 or x.shape[0] != self.gate_proj.shape[0]:
+            raise ValueError(
+                f"GroupedExperts.forward_padded got rows shaped {tuple(x.shape)} for {self.gate_proj.shape[0]} local "
+                "experts; it needs [local experts, rows per expert, hidden]."
+            )
+        h = F.silu(torch.bmm(x, self.gate_proj.transpose(-2, -1))) * torch.bmm(x, self.up_proj.transpose(-2, -1))
+        return torch.bmm(h, self.down_proj.transpose(-2, -1))
+
     def _use_loop(self, x: torch.Tensor) -> bool:
         if self.impl == "loop" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return True
@@ -344,6 +420,8 @@ def init_moe_weights(module: nn.Module, std: float, residual_scale: float = 1.0)
     """Initialise what the zoo's generic `_init_weights` does not know: stacked experts (N(0, std); the
     down projection feeds the residual stream, so times `residual_scale` as for dense MLPs) and the router's
     buffers (non-persistent ones must be rebuilt after loading on the meta device)."""
+    if isinstance(getattr(module, "dropped_assignments", None), torch.Tensor):  # an MoE block's drop counter
+        init.zeros_(module.dropped_assignments)
     if isinstance(module, GroupedExperts):
         init.normal_(module.gate_proj, mean=0.0, std=std)
         init.normal_(module.up_proj, mean=0.0, std=std)
@@ -418,12 +496,7 @@ def dispatch(
     num_tokens, device = x.shape[0], x.device
     token_idx, expert_idx, gates = assignments.token_idx, assignments.expert_idx, assignments.gates
     num_experts, ep_size = experts.num_experts, _group_size(ep_group)
-    local = num_experts // ep_size
-    if num_experts % ep_size or experts.gate_proj.shape[0] != local:
-        raise ValueError(
-            f"The experts hold {experts.gate_proj.shape[0]} of {num_experts} experts, but an ep group of {ep_size} "
-            f"ranks needs {num_experts / ep_size:g} per rank; shard them with parallel.parallelize."
-        )
+    local = _local_experts(experts, ep_size)
     # Expert-sorted order; stable, so each expert's assignments keep their order (earlier tokens first).
     order = torch.argsort(expert_idx, stable=True)
     counts = count_per_index(expert_idx, num_experts)
@@ -479,6 +552,132 @@ def dispatch(
     )
 
 
+def _local_experts(experts: GroupedExperts, ep_size: int) -> int:
+    """E / P, the experts each ep rank holds, after checking that `experts` holds that many."""
+    num_experts = experts.num_experts
+    local = num_experts // ep_size
+    if num_experts % ep_size or experts.gate_proj.shape[0] != local:
+        raise ValueError(
+            f"The experts hold {experts.gate_proj.shape[0]} of {num_experts} experts, but an ep group of {ep_size} "
+            f"ranks needs {num_experts / ep_size:g} per rank; shard them with parallel.parallelize."
+        )
+    return local
+
+
+@dataclass(eq=False)
+class PaddedDispatch:
+    """An MoE layer's tokens in flight in the padded layout (module docstring): made by `dispatch_padded`,
+    then `compute()`, then `combine()`, as `MoEDispatch`. Every size is a Python int known before forward."""
+
+    experts: GroupedExperts
+    ep_group: object
+    ep_size: int
+    capacity: int  # C: rows per (rank, expert)
+    num_tokens: int  # T, of this rank
+    slots: int  # assignments per token (k)
+    dtype: torch.dtype  # x's, for the combined output
+    in_flight: comm.Handle  # the dispatch all-to-all of [E * C, d], then the combine all-to-all
+    row: torch.Tensor  # [A] the buffer row each assignment went in (E * C: not sent)
+    gates: torch.Tensor  # [A] fp32, 0 where not sent
+    token_idx: torch.Tensor  # [A]
+    slot_idx: torch.Tensor  # [A] its place among that token's assignments
+    dropped: torch.Tensor  # 0-d int64: valid assignments over the capacity, not sent
+    stage: str = "dispatched"
+
+    def compute(self) -> None:
+        """Wait the dispatch all-to-all, run the local experts on [E/P, P * C, d], issue the combine."""
+        if self.stage != "dispatched":
+            raise RuntimeError(f"PaddedDispatch.compute() runs once, after dispatch; this one is {self.stage}.")
+        received = self.in_flight.wait()  # [P * E/P * C, d]: (source rank, local expert, row) blocks
+        p, c, d = self.ep_size, self.capacity, received.shape[-1]
+        local = self.experts.gate_proj.shape[0]
+        by_expert = received.view(p, local, c, d).transpose(0, 1).reshape(local, p * c, d)
+        out = self.experts.forward_padded(by_expert)
+        back = out.view(local, p, c, d).transpose(0, 1).reshape(p * local * c, d)
+        self.in_flight = comm.all_to_all(back, self.ep_group)  # equal splits, as the rows came
+        self.stage = "computed"
+
+    def combine(self) -> torch.Tensor:
+        """Wait the combine all-to-all; each token's output = sum of gate * expert output, [T, d] in x's dtype."""
+        if self.stage != "computed":
+            raise RuntimeError(f"PaddedDispatch.combine() runs once, after compute(); this one is {self.stage}.")
+        returned = self.in_flight.wait()  # [E * C, d], in the layout this rank sent
+        # One zero row more for the assignments not sent, so that every assignment gathers a row.
+        returned = torch.cat([returned, returned.new_zeros(1, returned.shape[-1])])
+        weighted = returned[self.row].float() * self.gates[:, None]
+        # As MoEDispatch.combine: one row per (token, slot), summed over slots in a fixed order.
+        by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
+        by_slot = by_slot.index_put((self.token_idx, self.slot_idx), weighted)
+        self.stage = "combined"
+        return by_slot.sum(1).to(self.dtype)
+
+
+def dispatch_padded(
+    x: torch.Tensor,
+    assignments,
+    experts: GroupedExperts,
+    ep_group=None,
+    capacity: int | None = None,
+    valid: torch.Tensor | None = None,
+) -> PaddedDispatch:
+    """The padded dispatch (module docstring): C = `capacity` (default T) rows to every expert, every size
+    known on the host, nothing read off the device; the all-to-all is issued, not waited. `valid` [A] bool:
+    the assignments to send (default all); the others are ignored, expert ids included."""
+    num_tokens, d = x.shape
+    token_idx, expert_idx, gates = assignments.token_idx, assignments.expert_idx, assignments.gates
+    num_experts, ep_size = experts.num_experts, _group_size(ep_group)
+    _local_experts(experts, ep_size)
+    count = token_idx.shape[0]
+    if count % max(num_tokens, 1):
+        raise ValueError(
+            f"The padded dispatch needs the same number of assignments for every token, but {count} assignments do "
+            f"not split evenly over {num_tokens} tokens; route with a top-k router (k per token), or use 'dropless'."
+        )
+    slots = count // max(num_tokens, 1)
+    c = max(1, num_tokens) if capacity is None else capacity
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"The padded dispatch's capacity must be an int >= 1 (rows per expert), got {capacity!r}.")
+    device = x.device
+    # Invalid assignments take expert E: sorted after every real expert, never within its capacity.
+    expert = expert_idx if valid is None else torch.where(valid, expert_idx, num_experts)
+    counts = count_per_index(expert, num_experts + 1)
+    order = torch.argsort(expert, stable=True)  # stable: each expert's assignments in assignment order
+    first = counts.cumsum(0) - counts
+    position = torch.empty_like(expert)
+    position[order] = torch.arange(count, device=device) - first[expert[order]]
+    real = expert < num_experts
+    sent = real & (position < c)
+    dropped = (real & ~sent).sum()
+    unsent = num_experts * c  # the row after the buffer: where the assignments not sent point
+    row = torch.where(sent, expert * c + position, unsent)
+    # Which token fills each buffer row (T: a zero row). Only the row after the buffer is written twice.
+    source = torch.full((unsent + 1,), num_tokens, dtype=torch.long, device=device)
+    source = source.index_put((row,), token_idx)[:unsent]
+    buffer = torch.cat([x, x.new_zeros(1, d)])[source]  # [E * C, d], expert-major; padding rows zero
+    pending = comm.all_to_all(buffer, ep_group)  # equal splits, E/P * C rows per rank: issued, waited in compute()
+    # Slot of each assignment among its token's, as in `dispatch` (a fixed-shape sort, no host read).
+    per_token = count_per_index(token_idx, num_tokens)
+    by_token = torch.argsort(token_idx, stable=True)
+    token_first = per_token.cumsum(0) - per_token
+    slot = torch.empty_like(token_idx)
+    slot[by_token] = torch.arange(count, device=device) - token_first[token_idx[by_token]]
+    return PaddedDispatch(
+        experts=experts,
+        ep_group=ep_group,
+        ep_size=ep_size,
+        capacity=c,
+        num_tokens=num_tokens,
+        slots=slots,
+        dtype=x.dtype,
+        in_flight=pending,
+        row=row,
+        gates=torch.where(sent, gates.float(), 0.0),
+        token_idx=token_idx,
+        slot_idx=slot,
+        dropped=dropped,
+    )
+
+
 def _expert_major_order(recv_rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Permutation taking received rows, runs (source rank s, local expert e) in that order, to runs (e, s),
     and its inverse."""
@@ -513,6 +712,8 @@ class SparseMoE(nn.Module):
         aux_loss_coef: float = 0.01,
         capacity_factor: float | None = None,
         impl: str = "grouped_mm",
+        moe_dispatch: str = "dropless",
+        dispatch_capacity_factor: float | None = None,
     ):
         super().__init__()
         self.router = TopKRouter(hidden_size, num_experts, top_k, score_func, renormalize, balance_bias)
@@ -520,10 +721,15 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef = aux_loss_coef
         self.capacity_factor = capacity_factor
+        check_moe_dispatch(moe_dispatch, dispatch_capacity_factor)
+        self.moe_dispatch, self.dispatch_capacity_factor = moe_dispatch, dispatch_capacity_factor
+        # Assignments the padded dispatch dropped (over its capacity), on the device: `dropped_assignments`.
+        self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.long), persistent=False)
         self.ep_group = None  # set by parallel.parallelize; None = every expert on this device
 
-    def dispatch(self, x: torch.Tensor) -> tuple[MoEDispatch, Routing]:
-        """Route x [T, d] and ISSUE its dispatch all-to-all (over `ep_group`), with this block's capacity.
+    def dispatch(self, x: torch.Tensor) -> tuple[MoEDispatch | PaddedDispatch, Routing]:
+        """Route x [T, d] and ISSUE its dispatch all-to-all (over `ep_group`), with this block's capacity and
+        dispatch (`moe_dispatch`: dropless, or padded, whose drops are added to `dropped_assignments`).
 
         Returns (pending, routing): `pending.compute()` waits the dispatch, runs this rank's experts and
         issues the combine; `pending.combine()` waits the combine and gives sum_i g_i E_i(x), [T, d]. The
@@ -532,6 +738,11 @@ class SparseMoE(nn.Module):
         cap = None
         if self.capacity_factor is not None:
             cap = capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+        if self.moe_dispatch == "padded":
+            c = padded_capacity(x.shape[0], self.num_experts, self.top_k, self.dispatch_capacity_factor)
+            pending = dispatch_padded(x, routing, self.experts, self.ep_group, c if cap is None else min(c, cap))
+            self.dropped_assignments += pending.dropped
+            return pending, routing
         return dispatch(x, routing, self.experts, self.ep_group, cap), routing
 
     def balance_loss(self, routing: Routing) -> torch.Tensor | None:
@@ -549,3 +760,54 @@ class SparseMoE(nn.Module):
         balance = self.balance_loss(routing)
         aux = {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
         return y.view(shape), aux
+
+
+# --- choosing the dispatch -----------------------------------------------------------------------------
+
+
+def dispatching_blocks(model: nn.Module) -> list[nn.Module]:
+    """The MoE blocks of `model` that choose their dispatch (`moe_dispatch`) and count its drops."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "moe_dispatch") and isinstance(getattr(m, "dropped_assignments", None), torch.Tensor)
+    ]
+
+
+def set_moe_dispatch(model: nn.Module, mode: str, capacity_factor: float | None = None) -> nn.Module:
+    """Switch every MoE block of `model` to the dispatch `mode` ("dropless" | "padded"), the padded one with
+    `capacity_factor` (None: C = T, never drops), and record both in `model.config` (`moe_dispatch`,
+    `dispatch_capacity_factor`) where it has them. Returns `model`. A compiled model recompiles."""
+    check_moe_dispatch(mode, capacity_factor)
+    blocks = dispatching_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no MoE block whose dispatch could be set (moe, scmoe, moepp).")
+    for block in blocks:
+        block.moe_dispatch, block.dispatch_capacity_factor = mode, capacity_factor
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "moe_dispatch"):
+        config.moe_dispatch, config.dispatch_capacity_factor = mode, capacity_factor
+    return model
+
+
+def dropped_assignments(model: nn.Module, reset: bool = False) -> int:
+    """Assignments this rank's padded dispatches dropped (over their capacity), summed over `model`'s MoE
+    blocks since they were built or last reset: one device-to-host read, to make after a step (sum it over
+    the ep group for the whole batch's). `reset=True` zeroes the counters."""
+    blocks = dispatching_blocks(model)
+    total = int(torch.stack([b.dropped_assignments for b in blocks]).sum()) if blocks else 0
+    if reset:
+        for block in blocks:
+            block.dropped_assignments.zero_()
+    return total
+
+
+class MoeDispatchMixin:
+    """`model.set_moe_dispatch(mode, capacity_factor=None)` and `model.dropped_assignments(reset=False)` for
+    an MoE architecture's models (the functions of the same names)."""
+
+    def set_moe_dispatch(self, mode: str, capacity_factor: float | None = None):
+        return set_moe_dispatch(self, mode, capacity_factor)
+
+    def dropped_assignments(self, reset: bool = False) -> int:
+        return dropped_assignments(self, reset)

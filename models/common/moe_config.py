@@ -5,10 +5,15 @@ every one of them has, the count of MoE layers and the active-parameter count.
 ZooLlamaConfig)`). It declares no field: each config declares its own (their defaults differ, and
 config.json keeps its key order), and its `validate` calls `check_moe_fields` beside its own checks.
 The fields read: `num_local_experts` (the routed SwiGLU experts, E), `num_experts_per_tok` (k),
-`router_aux_loss_coef`, `experts_impl`, and `capacity_factor` where the config has one (it says so).
+`router_aux_loss_coef`, `experts_impl`, `capacity_factor` where the config has one (it says so), and the
+dispatch every MoE config declares: `moe_dispatch` ("dropless", the default, exact, for training; or
+"padded": C rows per expert, every all-to-all size known on the host, for decode under CUDA graphs /
+torch.compile; models/common/moe.py) and `dispatch_capacity_factor` (None: C = the rank's token count,
+never drops; a number f: C = ceil(f * tokens * k / E), drops counted). `model.set_moe_dispatch(...)`
+switches both at run time.
 """
 
-from models.common.moe import EXPERT_IMPLS, check_expert_widths, check_top_k
+from models.common.moe import EXPERT_IMPLS, check_expert_widths, check_moe_dispatch, check_top_k
 
 
 def is_number(value) -> bool:
@@ -33,6 +38,16 @@ class MoeConfigMixin:
         if self.experts_impl not in EXPERT_IMPLS:
             raise ValueError(f"experts_impl={self.experts_impl!r} must be one of {EXPERT_IMPLS}.")
         check_expert_widths(self.hidden_size, self.intermediate_size, self.experts_impl)
+        check_moe_dispatch(self.moe_dispatch, self.dispatch_capacity_factor)
+
+    @property
+    def padded_rows_per_token(self) -> float | None:
+        """Rows each all-to-all of the padded dispatch carries per token of the rank (E C / T), None when
+        dropless: E with C = T; with a capacity factor f, min(E, f k) (exact when f T k / E is an integer)."""
+        if self.moe_dispatch != "padded":
+            return None
+        e, factor = self.num_local_experts, self.dispatch_capacity_factor
+        return e if factor is None else min(e, factor * self.num_experts_per_tok)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is an MoE layer (its `mlp` routed experts); every layer unless the

@@ -11,6 +11,9 @@
 - `router_score_func` ("softmax" | "sigmoid") and `router_balance_bias` (DeepSeek-V3's auxiliary-loss-free
   balancing bias; then usually router_aux_loss_coef=0): torchtitan's router options.
 - `experts_impl`: "grouped_mm" (default; hidden_size and intermediate_size multiples of 8) or "loop".
+- `moe_dispatch` ("dropless", default, or "padded") and `dispatch_capacity_factor` (None: the padded
+  capacity is every token, nothing dropped): how tokens reach the experts (models/common/moe_config.py;
+  padded for decode under CUDA graphs / torch.compile, `model.set_moe_dispatch` switches at run time).
 """
 
 from models.common.moe import SCORE_FUNCS
@@ -29,6 +32,8 @@ class ZooMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     router_score_func: str = "softmax"
     router_balance_bias: bool = False
     experts_impl: str = "grouped_mm"
+    moe_dispatch: str = "dropless"
+    dispatch_capacity_factor: float | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).

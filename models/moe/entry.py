@@ -23,7 +23,9 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
       included): the dispatch sends the rank's T x k token rows, the combine returns the rows it received,
       T x k on average over the ranks (exactly, under the simulated link); and one exchange of the E
       per-expert counts (8 E bytes per call whatever the batch: declared with 0 values per token).
-    In training mode each MoE layer also all-reduces 2E + 2 values over ep for the balance loss.
+    In training mode each MoE layer also all-reduces 2E + 2 values over ep for the balance loss. With
+    `moe_dispatch="padded"` each all-to-all carries E C rows (`padded_rows_per_token` per token) and no
+    count is exchanged.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, moe, d = config.num_hidden_layers, config.num_moe_layers, config.hidden_size
@@ -31,7 +33,9 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     if tp > 1:
         calls = layers + (layers - moe)
         out["all_reduce"] = Collectives(calls, calls * d)
-    if ep > 1:
+    if ep > 1 and config.padded_rows_per_token is not None:
+        out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.padded_rows_per_token * d)
+    elif ep > 1:
         out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.num_experts_per_tok * d)
         out["exchange_splits"] = Collectives(moe, 0)
     return out

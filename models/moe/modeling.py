@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.moe import SparseMoE, init_moe_weights
+from models.common.moe import MoeDispatchMixin, SparseMoE, init_moe_weights
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
 from parallel import comm
@@ -47,6 +47,8 @@ class MoeDecoderLayer(PreNormDecoderLayer):
                 aux_loss_coef=config.router_aux_loss_coef,
                 capacity_factor=config.capacity_factor,
                 impl=config.experts_impl,
+                moe_dispatch=config.moe_dispatch,
+                dispatch_capacity_factor=config.dispatch_capacity_factor,
             )
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
@@ -61,7 +63,7 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         return hidden_states + moe_out, aux
 
 
-class ZooMoePreTrainedModel(ZooPreTrainedModel):
+class ZooMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
     config_class = ZooMoeConfig
     config: ZooMoeConfig
     _no_split_modules = ["MoeDecoderLayer"]

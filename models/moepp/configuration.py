@@ -19,6 +19,9 @@ N = N_FFN + N_ZC experts:
   then does not depend on the other tokens of its batch (cached decode == full forward, expert parallel
   == one process), and the spec's capacities are one switch away.
 - `experts_impl`: "grouped_mm" (widths multiples of 8) or "loop".
+- `moe_dispatch` ("dropless", default, or "padded") and `dispatch_capacity_factor` (None: the padded
+  capacity is every token, nothing dropped): how tokens reach the experts (models/common/moe_config.py;
+  padded for decode under CUDA graphs / torch.compile, `model.set_moe_dispatch` switches at run time).
 """
 
 from models.common.moe_config import MoeConfigMixin, is_number
@@ -39,6 +42,8 @@ class ZooMoeppConfig(MoeConfigMixin, ZooLlamaConfig):
     drop_tokens: bool = False
     capacity_gamma: float = 1.1
     experts_impl: str = "grouped_mm"
+    moe_dispatch: str = "dropless"
+    dispatch_capacity_factor: float | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).

@@ -29,14 +29,18 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     - ep: per layer two all-to-alls (dispatch, combine) carrying only the FFN experts' rows, `k_eff` per
       token at the balanced load (the count depends on the routing: the values per token declared are that
       expectation, not an integer), and one exchange of the N_FFN per-expert counts (0 values per token).
-    In training mode each layer also all-reduces 2N + 2 values over ep for the balance loss.
+    In training mode each layer also all-reduces 2N + 2 values over ep for the balance loss. With
+    `moe_dispatch="padded"` each all-to-all carries N_FFN C rows (`padded_rows_per_token` per token,
+    whatever the routing) and no count is exchanged.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, d = config.num_hidden_layers, config.hidden_size
     out = {}
     if tp > 1:
         out["all_reduce"] = Collectives(layers, layers * d)
-    if ep > 1:
+    if ep > 1 and config.padded_rows_per_token is not None:
+        out["all_to_all"] = Collectives(2 * layers, 2 * layers * config.padded_rows_per_token * d)
+    elif ep > 1:
         out["all_to_all"] = Collectives(2 * layers, 2 * layers * k_eff(config) * d)
         out["exchange_splits"] = Collectives(layers, 0)
     return out

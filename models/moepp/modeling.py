@@ -16,6 +16,12 @@ Expert parallelism: the FFN experts are split over the ep ranks and reached thro
 (models/common/moe.py); the zero-computation experts are replicated on every rank, so their assignments
 are filtered out before the dispatch and never cross the link (the all-to-all carries k_eff instead of k
 rows per token). They are computed here while the dispatch is in flight.
+
+With `moe_dispatch="padded"` (models/common/moe.py `dispatch_padded`: every size known on the host) nothing
+is filtered by a data-dependent selection: every assignment stays in the fixed layout, only the FFN experts'
+marked valid (the others are never sent), and the copy and constant experts are computed for every
+assignment and masked (`zero_computation_dense`): C rows per FFN expert, C = T unless
+`dispatch_capacity_factor` gives ceil(f * T * k / N_FFN).
 """
 
 import math
@@ -29,11 +35,15 @@ from transformers import initialization as init
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.moe import (
     GroupedExperts,
+    MoeDispatchMixin,
     Routing,
     TopKRouter,
+    check_moe_dispatch,
     dispatch,
+    dispatch_padded,
     init_moe_weights,
     load_balance_loss,
+    padded_capacity,
     take,
 )
 from models.moepp.configuration import ZooMoeppConfig
@@ -113,6 +123,11 @@ class MoePlusPlus(nn.Module):
         self.gate_residual = nn.Linear(n, n, bias=False) if config.gating_residual and layer_idx > 0 else None
         self.experts = GroupedExperts(config.num_local_experts, d, config.intermediate_size, config.experts_impl)
         self.constant_experts = ConstantExperts(config.num_constant_experts, d)
+        check_moe_dispatch(config.moe_dispatch, config.dispatch_capacity_factor)
+        # The dispatch of the FFN experts' rows (models/common/moe.py; `set_moe_dispatch` switches it) and
+        # the assignments its padded form dropped, counted on the device.
+        self.moe_dispatch, self.dispatch_capacity_factor = config.moe_dispatch, config.dispatch_capacity_factor
+        self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.long), persistent=False)
         self.ep_group = None  # set by the "ep" plan (sharding.py); None = every expert local
 
     def forward(self, x: torch.Tensor, previous_logits: torch.Tensor | None):
@@ -134,11 +149,19 @@ class MoePlusPlus(nn.Module):
             capacity[: self.num_ffn] = c_ffn
             keep &= within_capacity(expert_idx, capacity)
         ffn = keep & (expert_idx < self.num_ffn)
-        expected = self.expected_assignments(num_tokens) if x.is_meta else {}
-        # Only the FFN experts' assignments enter the all-to-all (issued here, not waited).
-        pending = dispatch(x, routing.select(ffn, expected.get("ffn")), self.experts, ep_group=self.ep_group)
-        # The copy and constant experts run on this rank while the dispatch is in flight.
-        zc_out = self.zero_computation(x, routing, keep & ~ffn, expected)
+        if self.moe_dispatch == "padded":
+            # Every assignment stays in the fixed layout, only the FFN experts' valid: no boolean selection.
+            k = self.config.num_experts_per_tok
+            c = padded_capacity(num_tokens, self.num_ffn, k, self.dispatch_capacity_factor)
+            pending = dispatch_padded(x, routing, self.experts, self.ep_group, c, valid=ffn)
+            self.dropped_assignments += pending.dropped
+            zc_out = self.zero_computation_dense(x, routing, keep & ~ffn)
+        else:
+            expected = self.expected_assignments(num_tokens) if x.is_meta else {}
+            # Only the FFN experts' assignments enter the all-to-all (issued here, not waited).
+            pending = dispatch(x, routing.select(ffn, expected.get("ffn")), self.experts, ep_group=self.ep_group)
+            # The copy and constant experts run on this rank while the dispatch is in flight.
+            zc_out = self.zero_computation(x, routing, keep & ~ffn, expected)
         pending.compute()  # waits the dispatch, runs this rank's experts, issues the combine
         out = pending.combine().float() + zc_out  # waits the combine
         balance = None
@@ -185,6 +208,20 @@ class MoePlusPlus(nn.Module):
         return slots.sum(1)
 
 
+    def zero_computation_dense(self, x: torch.Tensor, routing: Routing, local: torch.Tensor) -> torch.Tensor:
+        """`zero_computation` without a selection (the padded dispatch's: every size fixed): the copy and
+        constant experts computed for every assignment, those not `local` masked to 0. [T, d] in fp32."""
+        k, num_tokens = self.config.num_experts_per_tok, x.shape[0]
+        rows = x[routing.token_idx]  # copy experts: E(x) = x
+        n_constant = self.constant_experts.constant.shape[0]
+        if n_constant:
+            is_constant = routing.expert_idx >= self.first_constant
+            which = (routing.expert_idx - self.first_constant).clamp(0, n_constant - 1)
+            rows = torch.where(is_constant[:, None], self.constant_experts(rows, which), rows)
+        weighted = torch.where(local[:, None], rows.float() * routing.gates[:, None], 0.0)
+        return weighted.view(num_tokens, k, -1).sum(1)  # token-major: the k slots of each token, in order
+
+
 class MoeppDecoderLayer(PreNormDecoderLayer):
     """The shared pre-norm block with the MoE++ layer in place of the MLP; the router logits go in and out
     (the gating residual)."""
@@ -201,7 +238,7 @@ class MoeppDecoderLayer(PreNormDecoderLayer):
         return hidden_states + moe_out.view_as(hidden_states), logits, balance
 
 
-class ZooMoeppPreTrainedModel(ZooPreTrainedModel):
+class ZooMoeppPreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
     config_class = ZooMoeppConfig
     config: ZooMoeppConfig
     _no_split_modules = ["MoeppDecoderLayer"]

@@ -16,6 +16,9 @@
   blocks, in the training loss (as in `moe`).
 - `capacity_factor`: None = dropless (default); a number caps the tokens each rank sends to one expert
   (models/common/moe.py `capacity`). `experts_impl`: "grouped_mm" (widths multiples of 8) or "loop".
+- `moe_dispatch` ("dropless", default, or "padded") and `dispatch_capacity_factor` (None: the padded
+  capacity is every token, nothing dropped): how tokens reach the experts (models/common/moe_config.py;
+  padded for decode under CUDA graphs / torch.compile, `model.set_moe_dispatch` switches at run time).
 - `moe_overlap` (True): issue each all-to-all as early and wait it as late as the schedule allows
   (modeling.py); False waits each at once (the serial schedule: the same values, nothing hidden).
 """
@@ -35,6 +38,8 @@ class ZooScMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     router_aux_loss_coef: float = 0.01
     capacity_factor: float | None = None
     experts_impl: str = "grouped_mm"
+    moe_dispatch: str = "dropless"
+    dispatch_capacity_factor: float | None = None
     moe_overlap: bool = True
 
     def __post_init__(self, **kwargs):

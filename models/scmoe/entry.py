@@ -23,14 +23,18 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     - ep: per MoE block two all-to-alls (dispatch, combine), each sending this rank's T x k shortcut rows (its
       own share included), and one exchange of the E per-expert counts (8 E bytes per call whatever the
       batch: declared with 0 values per token).
-    In training mode each MoE block also all-reduces 2E + 2 values over ep for the balance loss.
+    In training mode each MoE block also all-reduces 2E + 2 values over ep for the balance loss. With
+    `moe_dispatch="padded"` each all-to-all carries E C rows (`padded_rows_per_token` per token) and no
+    count is exchanged.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, moe, d = config.num_hidden_layers, config.num_moe_layers, config.hidden_size
     out = {}
     if tp > 1:
         out["all_reduce"] = Collectives(2 * layers, 2 * layers * d)
-    if ep > 1:
+    if ep > 1 and config.padded_rows_per_token is not None:
+        out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.padded_rows_per_token * d)
+    elif ep > 1:
         out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.num_experts_per_tok * d)
         out["exchange_splits"] = Collectives(moe, 0)
     return out

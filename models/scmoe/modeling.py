@@ -54,7 +54,7 @@ from models.common import (
     ZooPreTrainedModel,
 )
 from models.common.decoder import PreNormAttention
-from models.common.moe import SparseMoE, init_moe_weights
+from models.common.moe import MoeDispatchMixin, SparseMoE, init_moe_weights
 from models.scmoe.configuration import ZooScMoeConfig
 from models.scmoe.sharding import PLAN
 from parallel import comm
@@ -89,6 +89,8 @@ class ScMoeBlock(PreNormAttention, nn.Module):
             aux_loss_coef=config.router_aux_loss_coef,
             capacity_factor=config.capacity_factor,
             impl=config.experts_impl,
+            moe_dispatch=config.moe_dispatch,
+            dispatch_capacity_factor=config.dispatch_capacity_factor,
         )
         self.tp_group = None  # set by parallel.parallelize; None = single device
 
@@ -108,7 +110,7 @@ class ScMoeBlock(PreNormAttention, nn.Module):
         return torch.sigmoid(self.shared_expert_gate(s)), self.shared_expert(s)
 
 
-class ZooScMoePreTrainedModel(ZooPreTrainedModel):
+class ZooScMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
     config_class = ZooScMoeConfig
     config: ZooScMoeConfig
     _no_split_modules = ["PreNormDecoderLayer", "ScMoeBlock"]
