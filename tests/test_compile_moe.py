@@ -15,7 +15,10 @@ timing asserted.
   without cache in eval mode, no count exchange;
 - slow, at EP 2: the same forward for `scmoe` (its overlapped schedule: dispatch issued after Attn_l, waited
   after MLP_l) and `moepp` (zero-computation experts masked, not selected), and one training step (forward,
-  loss with the balance loss, backward) of all three: loss and every gradient.
+  loss with the balance loss, backward) of all three: loss and every gradient;
+- slow, at EP 2: the bench's decode program (eval.bench.steps: prefill, then 6 greedy decode steps on a static
+  cache) of all three, padded, both steps compiled (`compile_steps`, aot_eager): the same greedy tokens, logits
+  within fp32 atol 1e-5, one graph for the 6 decode steps holding one eager step's collectives.
 """
 
 import pytest
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from eval.bench.steps import CountingBackend
+from eval.bench.steps import CountingBackend, compile_steps, decode_step, prefill
 from parallel import comm
 from tests.distributed import run_ranks
 from tests.test_ep import EP_ARCHS, build, ids_of
@@ -125,6 +128,43 @@ def _training_step(rank: int, mesh, name: str) -> None:
         )
 
 
+DECODE_STEPS = 6
+DECODE_ATOL = 1e-5  # as tests/test_compile.py's decode
+
+
+def _generation(model, ids, prefill_fn, step_fn):
+    """Greedy tokens [B, 1 + DECODE_STEPS], their logits and the decode steps' collectives."""
+    cache = model.model.make_cache(batch_size=ids.shape[0], max_cache_len=16, static=True)
+    token, logits = prefill_fn(model, ids, cache)
+    tokens, all_logits = [token], [logits]
+    comm.reset_counters()
+    for _ in range(DECODE_STEPS):
+        token, logits = step_fn(model, token, cache)
+        tokens.append(token)
+        all_logits.append(logits)
+    return torch.cat(tokens, 1), torch.stack(all_logits), comm.snapshot_counters()
+
+
+def _decode_ranks(rank, world_size, names: list[str]):
+    mesh = parallel.init_mesh(ep=world_size)
+    for name in names:
+        model = parallel.parallelize(build(name, {"ep": world_size}, moe_dispatch="padded").eval(), mesh)
+        ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1 + rank))
+        tokens, logits, counts = _generation(model, ids, prefill, decode_step)
+        assert set(counts) == {"all_to_all"}, name  # no count exchange
+        _fresh()
+        prefill_fn, step_fn, graphs = compile_steps(backend="aot_eager")
+        c_tokens, c_logits, _ = _generation(model, ids, prefill_fn, step_fn)
+        _no_graph_break()
+        assert torch.equal(c_tokens, tokens), name
+        torch.testing.assert_close(
+            c_logits, logits, rtol=0, atol=DECODE_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        per_step = {kind: {n: v // DECODE_STEPS for n, v in c.items()} for kind, c in counts.items()}
+        assert graphs["decode"].graphs == [per_step], name  # one graph for every step
+        assert len(graphs["prefill"].graphs) == 1, name
+
+
 def _ranks(rank, world_size, function: bool, forwards: list[str], steps: list[str]):
     mesh = parallel.init_mesh(ep=world_size)
     if function:
@@ -156,3 +196,8 @@ def test_padded_moe_compiles_fullgraph_on_one_process():
 @pytest.mark.slow
 def test_ep2_padded_forward_and_training_step_compile_fullgraph_every_ep_arch():
     run_ranks(_ranks, 2, False, [n for n in EP_ARCHS if n != "moe"], EP_ARCHS)
+
+
+@pytest.mark.slow
+def test_ep2_padded_decode_program_compiles_one_graph_every_ep_arch():
+    run_ranks(_decode_ranks, 2, EP_ARCHS)
