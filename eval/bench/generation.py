@@ -40,7 +40,6 @@ from eval.bench.settings import (
 from eval.bench.timing import ClockTimer, WallTimer, measure_interleaved, summarize
 from eval.simulator.device import DeviceModel
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
-from models.common import RMSNorm, SwiGLUMLP
 from parallel import comm
 
 
@@ -61,14 +60,14 @@ def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: t
     with torch.no_grad():
         model.apply(model._init_weights)
     model.eval()
-    if cfg["compile"]:
-        # Compile compute between collectives; communication and the virtual clock stay eager (the Ladder
-        # reference's "semi-compiled" model compiles per sub-block too). Attention stays eager: it updates
-        # the growing DynamicCache, whose changing strides recompile it at every step.
-        for module in model.modules():
-            if isinstance(module, (SwiGLUMLP, RMSNorm)):
-                module.compile(dynamic=True)
+    if hasattr(model, "set_moe_dispatch") and cfg.get("moe_dispatch"):
+        model.set_moe_dispatch(cfg["moe_dispatch"])
     return model
+
+
+def programs_of(cfg: dict) -> list[str]:
+    """The programs timed (`compile`): eager, compiled (eval.bench.steps, whole steps), or both in one run."""
+    return {False: ["eager"], True: ["compiled"], "both": ["eager", "compiled"]}[cfg["compile"]]
 
 
 def run_single_process(
@@ -89,14 +88,16 @@ def run_single_process(
             if cfg["simulated"]["enabled"]:
                 for link in cfg["simulated"]["links"]:
                     # A dict gives each mesh dimension its own link (parallel.comm times each collective on
-                    # its group's); a preset name is the link of every dimension.
+                    # its group's); a preset name is the link of every dimension. Eager only: the virtual
+                    # clock runs Python at every collective, which no graph holds.
                     with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
                         runs = measure_interleaved(built, cfg, batch, lambda c=clock: ClockTimer(c), device)
                     rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
             if cfg["upper_bound"]["enabled"]:
-                with comm.use_mode("none"):
-                    runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device)
-                rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
+                for program in programs_of(cfg):
+                    with comm.use_mode("none"):
+                        runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device, program)
+                    rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype, program)
         del built
     finally:
         if dist.is_initialized():
@@ -146,10 +147,10 @@ def run_device_model(
         if cfg["simulated"]["enabled"]:
             for link in cfg["simulated"]["links"]:
                 runs = {arch: [predicted_run(rec, dm, link)] for arch, rec in recs.items()}
-                rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
+                rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype, "compiled")
         if cfg["upper_bound"]["enabled"]:
             runs = {arch: [predicted_run(rec, dm, NO_COMM, upper_bound=True)] for arch, rec in recs.items()}
-            rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype)
+            rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype, "compiled")
     return rows
 
 
@@ -176,10 +177,13 @@ def predicted_run(recording, dm: DeviceModel, link, upper_bound: bool = False) -
     return run
 
 
-def _rows(runs, cfg, degrees, batch, variant, link, dtype) -> list[dict]:
+def _rows(runs, cfg, degrees, batch, variant, link, dtype, program: str = "eager") -> list[dict]:
+    """Rows of `runs`; `program`: the program timed (eval.bench.timing.PROGRAMS), or predicted: the device
+    model's rows are "compiled" (it charges the fused kernels of a compiled step on a static cache)."""
     out = []
     for arch, arch_runs in runs.items():
         row = {"arch": arch, "degrees": dict(degrees), "variant": variant, "link": None, "batch": batch}
+        row["program"] = program
         if link is not None:
             row["link"] = link_label(link)
             row["links"] = link  # the setting itself: one preset, or {dimension: preset}
@@ -198,9 +202,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The Ladder reference's launch environment on CUDA (gpt-fast's TP benchmark): NCCL's intra-node
+# all-reduce kernels and NVLink SHARP. Set for the ranks only if the user has not set them.
+CUDA_COMM_ENV = {"ENABLE_INTRA_NODE_COMM": "1", "NCCL_NVLS_ENABLE": "1"}
+
+
 def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, cfg: dict, out_path: str) -> None:
     """One rank of the real launch: real collectives, then no collectives, in the same processes."""
     world_size = ranks(degrees)
+    if torch.cuda.is_available():
+        for name, value in CUDA_COMM_ENV.items():
+            os.environ.setdefault(name, value)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
@@ -216,12 +228,14 @@ def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, 
         built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
         rows = []
         for batch in cfg["batch_sizes"]:
-            with comm.use_mode("real"):
-                runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, degrees, batch, "real", None, dtype)
-            with comm.use_mode("none"):
-                runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device, barrier=True), device)
-            rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None, dtype)
+            for program in programs_of(cfg):
+                timer = lambda: WallTimer(device, barrier=True)  # noqa: E731
+                with comm.use_mode("real"):
+                    runs = measure_interleaved(built, cfg, batch, timer, device, program)
+                rows += _rows(runs, cfg, degrees, batch, "real", None, dtype, program)
+                with comm.use_mode("none"):
+                    runs = measure_interleaved(built, cfg, batch, timer, device, program)
+                rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None, dtype, program)
         for row in rows:
             row["threads_per_rank"] = torch.get_num_threads()
             row["backend"] = dist.get_backend()

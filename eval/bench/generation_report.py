@@ -18,10 +18,14 @@ UPPER_BOUND_OF = {"simulated": "upper_bound", "real": "upper_bound_real"}
 def add_comparisons(rows: list[dict], baseline: str, min_comm_fraction: float) -> None:
     """Speed-up over the baseline arch in the same variant, and hidden fractions, added in place."""
 
-    def key(arch, r, variant, link):
-        return (arch, degrees_key(r["degrees"]), variant, link, r["batch"])
+    def key(arch, r, variant, link, program=None):
+        return (arch, degrees_key(r["degrees"]), variant, link, r["batch"], program or r.get("program", "eager"))
 
     index = {key(r["arch"], r, r["variant"], r["link"]): r for r in rows}
+    for r in rows:  # the compiled program against the eager one, same architecture and variant, same run
+        eager = index.get(key(r["arch"], r, r["variant"], r["link"], "eager"))
+        compiled = r.get("program") == "compiled"
+        r["speedup_compiled"] = r["decode_tok_s"] / eager["decode_tok_s"] if compiled and eager else None
     for r in rows:
         base = index.get(key(baseline, r, r["variant"], r["link"]))
         r["speedup_prefill"] = base["prefill_ms"] / r["prefill_ms"] if base else None
@@ -65,6 +69,8 @@ TABLE_COLUMNS = [
     ("speedup_prefill", "prefill speed-up"),
     ("hidden_fraction_decode", "hidden (decode)"),
     ("hidden_fraction_prefill", "hidden (prefill)"),
+    ("decode_kernels_per_step", "kernels/step"),
+    ("speedup_compiled", "compiled / eager"),
     ("decode_comm_calls", "calls/step"),
     ("decode_comm_bytes", "bytes/step"),
     ("prefill_comm_bytes", "bytes/prefill"),
@@ -80,7 +86,8 @@ PLOTS = ("speedup_vs_batch", "speedup_vs_degree", "hidden_fraction", "hidden_fra
 
 
 def variant_key(row: dict) -> str:
-    return f"{row['variant']}:{row['link']}" if row["link"] else row["variant"]
+    key = f"{row['variant']}:{row['link']}" if row["link"] else row["variant"]
+    return f"{key} (compiled)" if row.get("program") == "compiled" else key
 
 
 def display_rows(rows: list[dict]) -> list[dict]:

@@ -202,6 +202,16 @@ def check_generation_settings(cfg: dict) -> dict:
         raise ValueError(f"baseline={cfg['baseline']!r} must be one of archs={list(cfg['archs'])}.")
     if cfg["new_tokens"] < 2:
         raise ValueError(f"new_tokens={cfg['new_tokens']} leaves no decode step; use at least 2.")
+    if cfg["compile"] not in (False, True, "both"):
+        raise ValueError(
+            f"compile={cfg['compile']!r}: use false (eager steps), true (prefill and decode step compiled whole) "
+            "or both (eager and compiled rows in one run)."
+        )
+    if cfg["compile"] and not cfg.get("static_cache", True):
+        raise ValueError(
+            f"compile={cfg['compile']!r} needs static_cache=true: a compiled decode step runs on a static cache "
+            "(a growing one changes shape at every step)."
+        )
     if cfg["repeats"] < 1:
         raise ValueError(f"repeats={cfg['repeats']} must be at least 1.")
     for link in cfg["simulated"]["links"]:

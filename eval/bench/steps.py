@@ -48,16 +48,23 @@ class CountingBackend:
     def __init__(self, backend: str = "inductor", mode: str | None = None):
         self.backend, self.mode = backend, mode
         self.graphs: list[dict] = []
+        self.kernels: list[int] = []  # inductor only: kernels each graph launches (generated + extern calls)
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(comm.graph_collectives(gm))
-        if self.backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+        if self.backend != "inductor":
+            return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        from torch._dynamo.utils import counters
+        from torch._inductor import metrics
+        from torch._inductor.compile_fx import compile_fx
 
-            # torch.compile(mode="reduce-overhead") is inductor with these options.
-            patches = torch._inductor.list_mode_options(self.mode) if self.mode else {}
-            return compile_fx(gm, example_inputs, config_patches=patches)
-        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        before = metrics.generated_kernel_count + counters["inductor"]["extern_calls"]
+        # torch.compile(mode="reduce-overhead") is inductor with these options. No cache of compiled graphs:
+        # a cached graph is not generated again, and its kernels would not be counted.
+        patches = dict(torch._inductor.list_mode_options(self.mode) if self.mode else {}, fx_graph_cache=False)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        self.kernels.append(metrics.generated_kernel_count + counters["inductor"]["extern_calls"] - before)
+        return compiled
 
 
 def compile_steps(mode: str | None = None, backend: str = "inductor"):
@@ -70,6 +77,8 @@ def compile_steps(mode: str | None = None, backend: str = "inductor"):
 
         for name, value in INDUCTOR_OVERLAP.items():
             setattr(inductor_config, name, value)
+    # One graph per (architecture, comm mode, batch) in a bench process: more than dynamo's default 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     backends = {"prefill": CountingBackend(backend), "decode": CountingBackend(backend, mode)}
     return (
         torch.compile(prefill, fullgraph=True, dynamic=False, backend=backends["prefill"]),

@@ -1,10 +1,12 @@
 """One timed generation (gpt-fast's benchmark loop): prefill, then greedy decode steps, each phase timed.
 
-`generate_once` runs a prompt's prefill and `new_tokens - 1` decode steps under a timer (`WallTimer`: wall time,
-the device synchronised; `ClockTimer`: the simulated link's virtual clock), with parallel.comm's counters per
-phase; `measure_interleaved` warms every architecture up and interleaves the repeats across them (repeat r of
-every arch before repeat r+1, so slow drift in a shared machine's load hits every architecture alike);
-`summarize` turns the runs into a row's numbers (median, min-max, communication per forward).
+`generate_once` runs a `Program` (eval.bench.steps' prefill and decode step, eager or compiled as a whole, on a
+static cache reused across generations or a growing one) for a prompt's prefill and `new_tokens - 1` decode
+steps under a timer (`WallTimer`: wall time, the device synchronised; `ClockTimer`: the simulated link's
+virtual clock), with parallel.comm's counters per phase; `measure_interleaved` warms every architecture up
+(a compiled program compiles there) and interleaves the repeats across them (repeat r of every arch before
+repeat r+1, so slow drift in a shared machine's load hits every architecture alike); `summarize` turns the
+runs into a row's numbers (median, min-max, communication per forward, kernels per decode step).
 """
 
 import statistics
@@ -13,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from eval.bench.steps import compile_steps, decode_step, prefill
 from parallel import comm
 
 
@@ -56,25 +59,88 @@ class ClockTimer:
         return t
 
 
-@torch.no_grad()
-def generate_once(model, ids: torch.Tensor, new_tokens: int, timer) -> dict:
-    """Prefill then new_tokens - 1 greedy decode steps; times, exposed comm and comm counts of each phase."""
+PROGRAMS = ("eager", "compiled")
+
+
+class Program:
+    """What one architecture runs for one batch size: its two steps (eval.bench.steps), eager or compiled, and
+    its cache. A static cache (`static`) is made once and emptied in place before every generation, as gpt-fast
+    reuses its caches (and a CUDA graph keeps reading the same buffers); its buffers are allocated by one eager
+    prefill first, so that they exist outside any graph. A growing cache is made fresh each time."""
+
+    def __init__(
+        self, model, name: str, batch: int, max_len: int, static: bool, device: torch.device, backend="inductor"
+    ):
+        if name not in PROGRAMS:
+            raise ValueError(f"program={name!r}; the bench runs {' or '.join(PROGRAMS)}.")
+        if name == "compiled" and not static:
+            raise ValueError("The compiled program needs the static cache (static_cache=true): a growing cache "
+                             "changes shape at every step.")  # fmt: skip
+        self.model, self.name, self.batch, self.max_len = model, name, batch, max_len
+        self.graphs = None
+        if name == "compiled":
+            # CUDA graphs on CUDA (gpt-fast's decode step); on CPU there are none.
+            mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+            self.prefill, self.step, self.graphs = compile_steps(mode=mode, backend=backend)
+        else:
+            self.prefill, self.step = prefill, decode_step
+        self.cache = None
+        if static:
+            self.cache = model.model.make_cache(batch_size=batch, max_cache_len=max_len, static=True)
+            with torch.no_grad(), comm.use_mode("none"):
+                prefill(model, torch.zeros(batch, 1, dtype=torch.long, device=device), self.cache)
+
+    def fresh_cache(self):
+        if self.cache is None:
+            return self.model.model.make_cache(batch_size=self.batch)
+        self.cache.reset()
+        return self.cache
+
+    def counts(self, phase: str, calls: int) -> dict:
+        """The collectives of `calls` calls of a phase: counted as they ran (eager), or read off the compiled
+        graph (a compiled graph's collectives are not counted at run time: parallel.comm._record)."""
+        counts = comm.snapshot_counters()
+        if self.graphs is not None and self.graphs[phase].graphs:
+            for kind, c in self.graphs[phase].graphs[-1].items():
+                mine = counts.setdefault(kind, {"calls": 0, "bytes": 0})
+                for n, v in c.items():
+                    mine[n] = mine.get(n, 0) + v * calls
+        return counts
+
+    def kernels_per_step(self, ids: torch.Tensor) -> int | None:
+        """Kernels one decode step launches: eager, every aten op that is not a view or a factory
+        (eval.simulator.device.DeviceClock, nothing fused), counted on one step with collectives off;
+        compiled, inductor's kernels of the decode graph (generated + extern, counted when it was compiled)."""
+        if self.graphs is not None:
+            return self.graphs["decode"].kernels[-1] if self.graphs["decode"].kernels else None
+        from eval.simulator.device import DeviceClock
+
+        cache = self.fresh_cache()
+        with torch.no_grad(), comm.use_mode("none"):
+            token, _ = self.prefill(self.model, ids, cache)
+            with DeviceClock(fuse_pointwise=False) as clock:
+                self.step(self.model, token, cache)
+        return int(sum(clock.kernel))
+
+
+def generate_once(program: Program, ids: torch.Tensor, new_tokens: int, timer) -> dict:
+    """Prefill then new_tokens - 1 greedy decode steps of `program`; times, exposed comm and comm counts of
+    each phase."""
+    model, cache = program.model, program.fresh_cache()
     comm.reset_counters()
     timer.start()
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    prefill = _phase(timer)
-    prefill["counts"] = comm.snapshot_counters()
+    token, _ = program.prefill(model, ids, cache)
+    prefill_phase = _phase(timer)
+    prefill_phase["counts"] = program.counts("prefill", 1)
     comm.reset_counters()
-    cache = out.cache
     timer.start()
     for _ in range(new_tokens - 1):
-        out = model(token, cache=cache, use_cache=True)
-        cache = out.cache
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token, _ = program.step(model, token, cache)
+        if program.graphs is not None and token.is_cuda:
+            token = token.clone()  # a CUDA graph's output is overwritten by its next replay
     decode = _phase(timer)
-    decode["counts"] = comm.snapshot_counters()
-    return {"prefill": prefill, "decode": decode}
+    decode["counts"] = program.counts("decode", new_tokens - 1)
+    return {"prefill": prefill_phase, "decode": decode}
 
 
 def _phase(timer) -> dict:
@@ -83,17 +149,34 @@ def _phase(timer) -> dict:
             "busy_by": timer.busy_by}  # fmt: skip
 
 
-def measure_interleaved(built: dict, cfg: dict, batch: int, make_timer, device) -> dict[str, list[dict]]:
-    """Warm up every arch, then `repeats` rounds of one generation per arch; {arch: [run, ...]}."""
+def cache_length(cfg: dict) -> int:
+    """The static cache's length: prompt + new tokens rounded up to 8 (as the speed simulator's)."""
+    return -(-(cfg["prompt_len"] + cfg["new_tokens"]) // 8) * 8
+
+
+def measure_interleaved(
+    built: dict, cfg: dict, batch: int, make_timer, device, program: str = "eager"
+) -> dict[str, list[dict]]:
+    """Warm up every arch (a compiled program compiles there), then `repeats` rounds of one generation per
+    arch; {arch: [run, ...]}, each run with the decode step's kernel count."""
     gen = torch.Generator().manual_seed(cfg["seed"] + batch)
     ids = torch.randint(0, cfg["bench_shape"]["vocab_size"], (batch, cfg["prompt_len"]), generator=gen).to(device)
-    for model in built.values():
-        for _ in range(cfg["warmup"]):
-            generate_once(model, ids, cfg["new_tokens"], make_timer())
+    static = bool(cfg.get("static_cache", True))
+    backend = cfg.get("compile_backend", "inductor")
+    programs = {
+        arch: Program(model, program, batch, cache_length(cfg), static, device, backend) for arch, model in built.items()
+    }
+    for prog in programs.values():
+        for _ in range(max(cfg["warmup"], 1 if program == "compiled" else 0)):
+            generate_once(prog, ids, cfg["new_tokens"], make_timer())
     runs = {arch: [] for arch in built}
     for _ in range(cfg["repeats"]):
-        for arch, model in built.items():
-            runs[arch].append(generate_once(model, ids, cfg["new_tokens"], make_timer()))
+        for arch, prog in programs.items():
+            runs[arch].append(generate_once(prog, ids, cfg["new_tokens"], make_timer()))
+    for arch, prog in programs.items():
+        kernels = prog.kernels_per_step(ids)
+        for run in runs[arch]:
+            run["decode"]["kernels"] = kernels
     return runs
 
 
@@ -131,6 +214,7 @@ def summarize(runs: list[dict], batch: int, new_tokens: int) -> dict:
                 row[f"{phase}_{name}"] = {
                     k: 1e3 * statistics.median(r[phase][key].get(k, 0.0) for r in runs) / per for k in labels
                 }
+    row["decode_kernels_per_step"] = runs[-1]["decode"].get("kernels")
     # Per-forward names: prefill is one forward, decode figures are per step (one forward each).
     return row
 
