@@ -13,7 +13,8 @@ decode steps on a static cache) at TP 2 for the same architectures, both steps c
 `fullgraph=True` under aot_eager (inductor for llama and ladder, slow): the same greedy tokens, logits
 within fp32 atol 1e-5, one graph per step function over all 8 steps holding one eager step's collectives,
 no graph break counted; and HF's recipe at TP 2: `generate(cache_implementation="static")` == the default cache's
-greedy output. No timing is asserted.
+greedy output, at EP 2 for the MoE family too (its padded dispatch), and under a compiled forward for every
+tp / ep architecture (slow). No timing is asserted.
 """
 
 import pytest
@@ -164,3 +165,38 @@ def test_tp2_decode_step_compiles_to_one_graph_and_equals_eager():
 @pytest.mark.slow
 def test_tp2_decode_step_under_inductor_equals_eager():
     run_ranks(_decode_ranks, 2, ["llama", "ladder"], "inductor")
+
+
+EP_ARCHS = sorted(name for name, e in models.ZOO.items() if "ep" in e.degrees)
+
+
+def _generate_ranks(rank, world_size, archs, dim, compiled):
+    """HF's recipe on the sharded model: generate(cache_implementation="static") == the default cache's greedy
+    output; `compiled`: after model.forward = torch.compile(model.forward, fullgraph=True) (aot_eager)."""
+    import torch._dynamo as dynamo
+
+    mesh = parallel.init_mesh(**{dim: world_size})
+    for arch in archs:
+        entry = models.ZOO[arch]
+        torch.manual_seed(0)
+        model = entry.model_class(entry.tiny_at({dim: world_size})).eval()
+        parallel.parallelize(model, mesh)
+        if hasattr(model, "set_moe_dispatch"):
+            model.set_moe_dispatch("padded")  # no host sync: what a compiled step can hold
+        ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+        if compiled:
+            dynamo.reset()
+            model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+        assert torch.equal(out, want), arch
+
+
+def test_ep2_generate_with_static_cache_equals_default():
+    run_ranks(_generate_ranks, 2, EP_ARCHS, "ep", False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dim", "archs"), [("tp", TP_ARCHS), ("ep", EP_ARCHS)])
+def test_generate_static_under_compiled_forward_at_degree_2(dim, archs):
+    run_ranks(_generate_ranks, 2, archs, dim, True)
