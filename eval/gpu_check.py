@@ -731,7 +731,10 @@ class Report:
             f"{s.warmup} warm-up steps, the cache reset and re-filled by an eager prefill before each repeat. "
             f"Predicted: `record_generation` (same config, same cache length) replayed on the `{predict_device()}` "
             f"device model with free communication (eff_hbm {dm['eff_hbm']}, eff_flops {dm['eff_flops']}, "
-            f"{dm['kernel_overhead_us']} us per kernel: conf/bench.yaml). Ratios are measured / predicted.",
+            f"{dm['kernel_overhead_us']} us per kernel: conf/bench.yaml). Ratios are measured / predicted; GB/s "
+            "compiled = the predicted step's bytes over the measured compiled step; layers `N of M`: a model cut "
+            "to fit the GPU's memory or the time budget (its prediction at N too); graphs: the compiled decode "
+            "step's graphs (1: no recompile); cudagraph skips: inductor's count of graphs run without CUDA graphs.",
             "",
         ]
         for batch in sorted({r["batch"] for r in data["rows"]}):
