@@ -291,7 +291,13 @@ def generation_intro(results: dict, points: str) -> list[str]:
             if compute["setting"] == "measured"
             else " (with the device model only ops placed between issue and wait count as compute)."
         ),
-        "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds.",
+        "- Communication counts are per forward (prefill) and per decode step, summed over collective kinds "
+        "(a compiled row's are read off its compiled graph).",
+        "- **program**: the steps timed (eval.bench.steps, on the static cache): eager, or (sections marked "
+        "compiled) the prefill and the decode step each compiled whole (torch.compile fullgraph, CUDA graphs on "
+        "CUDA); a device model's rows predict the compiled program. **compiled / eager** = a compiled row's "
+        "decode tok/s over the eager row's of the same run. **kernels/step**: eager, the aten ops of one decode "
+        "step that are not views (nothing fused); compiled, the kernels inductor generated or called for it.",
         "",
     ]
 
