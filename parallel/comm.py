@@ -19,6 +19,8 @@ Modes (`set_mode`, or the `use_mode` context manager):
   `copy_to_tp_region`) is a functional collective instead (`torch.distributed._functional_collectives`: out
   of place, no copy) and `Handle.wait()` is its `wait_tensor`, at the same place in forward(): a tensor-
   parallel forward and backward compile with `fullgraph=True` and the schedule is still the model's code.
+  The all-gather (gathered on dim 0, put along its dim after the wait), the reduce-scatter and the ring
+  shift of `send_recv` (an all-to-all with one non-empty chunk each way) are functional there too.
   Traced collectives are not counted at run time (see `_record`); `graph_collectives(gm)` reads them off
   the compiled graph.
   An all-to-all whose splits are known on the host (equal splits, or splits given as ints: what the MoE
@@ -124,8 +126,9 @@ def snapshot_counters() -> dict[str, dict[str, int]]:
 class Handle:
     """A collective in flight. `wait()` returns its result (and, when simulated, advances the clock)."""
 
-    def __init__(self, tensor: torch.Tensor, work=None, ready_at: float | None = None):
+    def __init__(self, tensor: torch.Tensor, work=None, ready_at: float | None = None, finish=None):
         self._tensor, self._work, self._ready_at = tensor, work, ready_at
+        self._finish = finish  # a functional collective's rearrangement after its wait (all-gather on dim > 0)
         if ready_at is not None:
             # The Python between `issue` and here (autograd bookkeeping) is not compute that could
             # hide the transfer; without this a model that waits at once would look partly hidden.
@@ -135,6 +138,8 @@ class Handle:
         if self._work is _FUNCTIONAL:
             # A functional collective (under torch.compile): the wait is an op of the graph, here.
             self._tensor = funcol.wait_tensor(self._tensor)
+            if self._finish is not None:
+                self._tensor, self._finish = self._finish(self._tensor), None
             self._work = None
         elif self._work is not None:
             self._work.wait()
@@ -227,6 +232,42 @@ class _FunctionalAllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         back = funcol.all_to_all_single(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
         return funcol.wait_tensor(back), None, None, None
+
+
+class _FunctionalAllGather(torch.autograd.Function):
+    """The all-gather along dim 0 as a functional collective (not waited); the backward reduce-scatters the
+    gradient (each rank may use the gathered tensor its own way), waited at once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.all_gather_tensor(x.contiguous(), 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, ctx.group)), None
+
+
+class _FunctionalReduceScatter(torch.autograd.Function):
+    """The reduce-scatter along dim 0 as a functional collective; its backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_gather_tensor(grad.contiguous(), 0, ctx.group)), None
+
+
+def _ring_splits(rows: int, group, shift: int) -> tuple[list[int], list[int]]:
+    """A ring shift as an all-to-all's splits: all rows to rank r + shift, all from rank r - shift."""
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    send, recv = [0] * p, [0] * p
+    send[(me + shift) % p] = rows
+    recv[(me - shift) % p] = rows
+    return send, recv
 
 
 class _AllReduce(torch.autograd.Function):
@@ -440,6 +481,11 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> Handle:
     """Concatenate every rank's `x` along `dim` (rank order)."""
     if not _active(group):
         return Handle(x)
+    if _functional():
+        # Gathered along dim 0 (what the collective does), put along `dim` after the wait.
+        p, shape = dist.get_world_size(group), x.shape
+        finish = None if dim == 0 else (lambda out: torch.cat(out.view(p, *shape).unbind(0), dim=dim))
+        return Handle(_FunctionalAllGather.apply(x, group), _FUNCTIONAL, finish=finish)
     box = _Box()
     out = _AllGather.apply(x, group, dim, box)
     return Handle(out, _FinishingWork(box) if box.work is not None else None, box.ready_at)
@@ -449,6 +495,10 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
     """Sum over ranks, then keep this rank's chunk along `dim`. (Issued synchronously.)"""
     if not _active(group):
         return Handle(x)
+    if _functional():
+        p = dist.get_world_size(group)
+        stacked = torch.cat(x.chunk(p, dim=dim), dim=0) if dim != 0 else x  # rank r's chunk at rows r
+        return Handle(_FunctionalReduceScatter.apply(stacked, group), _FUNCTIONAL)
     return Handle(_ReduceScatter.apply(x, group, dim))
 
 
@@ -459,6 +509,12 @@ def send_recv(x: torch.Tensor, group, shift: int = 1) -> Handle:
     simulated link times one hop, alpha + bytes / beta. Its backward is the shift the other way."""
     if not _active(group):
         return Handle(x)
+    if _functional():
+        # No functional send / recv: the shift is the all-to-all whose only non-empty chunks go to r + shift
+        # and come from r - shift (NCCL runs it as that send and that receive); its backward shifts back.
+        rows = x.reshape(1, -1)
+        send, recv = _ring_splits(1, group, shift)
+        return Handle(_FunctionalAllToAll.apply(rows, group, send, recv), _FUNCTIONAL, finish=lambda out: out.view_as(x))
     box = _Box()
     out = _SendRecv.apply(x, group, shift, box)
     return Handle(out, box.work, box.ready_at)
