@@ -155,13 +155,14 @@ DECODE_ATOL = 1e-5  # fp32 logits: a compiled graph may fuse and reorder the sam
 STEPS = 8
 
 
-def _generation(model, ids, prefill_fn, step_fn):
-    """Greedy tokens [B, 1 + STEPS], logits [1 + STEPS, B, V] and the decode steps' collectives."""
+def generation(model, ids, prefill_fn, step_fn, steps: int = STEPS):
+    """Greedy tokens [B, 1 + steps], logits [1 + steps, B, V] and the decode steps' collectives (the bench's
+    program on a static cache; tests/test_compile_moe.py runs it too)."""
     cache = model.model.make_cache(batch_size=ids.shape[0], max_cache_len=16, static=True)
     token, logits = prefill_fn(model, ids, cache)
     tokens, all_logits = [token], [logits]
     comm.reset_counters()
-    for _ in range(STEPS):
+    for _ in range(steps):
         token, logits = step_fn(model, token, cache)
         tokens.append(token)
         all_logits.append(logits)
@@ -178,12 +179,12 @@ def _decode_ranks(rank, world_size, archs, backend):
         model = entry.model_class(entry.tiny_at({"tp": world_size})).eval()
         parallel.parallelize(model, mesh)
         ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
-        tokens, logits, counts = _generation(model, ids, prefill, decode_step)
+        tokens, logits, counts = generation(model, ids, prefill, decode_step)
         assert counts["all_reduce"]["calls"] > 0, arch
         dynamo.reset()
         dynamo.utils.counters.clear()
         prefill_fn, step_fn, graphs = compile_steps(backend=backend)
-        c_tokens, c_logits, _ = _generation(model, ids, prefill_fn, step_fn)
+        c_tokens, c_logits, _ = generation(model, ids, prefill_fn, step_fn)
         assert torch.equal(c_tokens, tokens), arch
         torch.testing.assert_close(c_logits, logits, rtol=0, atol=DECODE_ATOL, msg=arch)
         # One graph for the 8 steps, holding one step's collectives as eager issues them.

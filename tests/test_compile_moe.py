@@ -29,6 +29,7 @@ import parallel
 from eval.bench.steps import CountingBackend, compile_steps, decode_step, prefill
 from parallel import comm
 from tests.distributed import run_ranks
+from tests.test_compile import generation
 from tests.test_ep import EP_ARCHS, build, ids_of
 
 ATOL = 1e-6
@@ -132,29 +133,16 @@ DECODE_STEPS = 6
 DECODE_ATOL = 1e-5  # as tests/test_compile.py's decode
 
 
-def _generation(model, ids, prefill_fn, step_fn):
-    """Greedy tokens [B, 1 + DECODE_STEPS], their logits and the decode steps' collectives."""
-    cache = model.model.make_cache(batch_size=ids.shape[0], max_cache_len=16, static=True)
-    token, logits = prefill_fn(model, ids, cache)
-    tokens, all_logits = [token], [logits]
-    comm.reset_counters()
-    for _ in range(DECODE_STEPS):
-        token, logits = step_fn(model, token, cache)
-        tokens.append(token)
-        all_logits.append(logits)
-    return torch.cat(tokens, 1), torch.stack(all_logits), comm.snapshot_counters()
-
-
 def _decode_ranks(rank, world_size, names: list[str]):
     mesh = parallel.init_mesh(ep=world_size)
     for name in names:
         model = parallel.parallelize(build(name, {"ep": world_size}, moe_dispatch="padded").eval(), mesh)
         ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1 + rank))
-        tokens, logits, counts = _generation(model, ids, prefill, decode_step)
+        tokens, logits, counts = generation(model, ids, prefill, decode_step, DECODE_STEPS)
         assert set(counts) == {"all_to_all"}, name  # no count exchange
         _fresh()
         prefill_fn, step_fn, graphs = compile_steps(backend="aot_eager")
-        c_tokens, c_logits, _ = _generation(model, ids, prefill_fn, step_fn)
+        c_tokens, c_logits, _ = generation(model, ids, prefill_fn, step_fn, DECODE_STEPS)
         _no_graph_break()
         assert torch.equal(c_tokens, tokens), name
         torch.testing.assert_close(
