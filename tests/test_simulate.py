@@ -156,3 +156,25 @@ def test_moepp_runs_on_meta_at_the_load_its_balance_loss_aims_for():
     assert sent["bytes"] == 2 * 2 * expected["ffn"] * shape["hidden_size"] * 2  # bf16 rows
     assert expected["ffn"] == round(k_eff(config) * 8)
     assert recording.predict(TOY, "pcie4")["tok_s"] > 0
+
+
+def test_routed_experts_are_charged_their_flops():
+    # aten::_grouped_mm has no formula in torch.utils.flop_counter: the experts' matmuls were charged bytes only.
+    a = torch.empty(96, 64, device="meta", dtype=torch.bfloat16)  # 96 routed rows of width K = 64
+    b = torch.empty(4, 64, 32, device="meta", dtype=torch.bfloat16)  # 4 experts, K x N = 64 x 32
+    offs = torch.empty(4, device="meta", dtype=torch.int32)
+    with DeviceClock() as clock:
+        torch.nn.functional.grouped_mm(a, b, offs=offs)
+    assert clock.names == ["aten::_grouped_mm"] and clock.flops == [2 * 96 * 64 * 32]
+    # dB's layout: [K, rows] x [rows, N] with offsets along the rows: the same 2 x rows x K x N.
+    with DeviceClock() as clock:
+        torch.nn.functional.grouped_mm(a.T, torch.empty(96, 32, device="meta", dtype=torch.bfloat16), offs=offs)
+    assert clock.flops == [2 * 96 * 64 * 32]
+
+
+def test_every_op_without_a_flop_formula_is_memory_bound():
+    from eval.simulator.audit import UNCLASSIFIED, audit
+
+    rows = audit()  # every architecture: prefill, decode on its static cache, a training step
+    assert not [name for name, r in rows.items() if r["class"] == UNCLASSIFIED], rows
+    assert "aten::_grouped_mm" not in rows and "aten::mean" in rows  # charged now; a norm's mean memory-bound

@@ -12,8 +12,11 @@ One op's time on a device (roofline, plus a fixed cost per kernel):
 
     time = max(FLOPs / (peak_flops x eff_flops), bytes / (hbm_Bps x eff_hbm)) + kernel_overhead_s
 
-- FLOPs: PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`: matmuls, attention kernels);
-  every other op is taken to do no arithmetic worth charging (memory-bound).
+- FLOPs: PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`: matmuls, attention kernels),
+  plus the ones it lacks (`EXTRA_FLOPS`: the routed experts' `_grouped_mm`, 2 x rows x K x N, forward and
+  backward); every other op is memory-bound (`MEMORY_BOUND`: a few operations per element it reads, far
+  below any GPU's FLOP/byte ridge), and `eval.simulator.audit` lists every op the zoo runs on meta that has
+  no formula, failing on one that is in neither list.
 - Bytes: the operands' and results' sizes (what a kernel reads and writes once). Exceptions: an op that
   writes into part of a tensor in place (a static KV cache's `index_copy_`) moves its source, not the whole
   destination; a gather (`embedding`, `index_select`) reads the rows it returns, not the whole table.
@@ -119,6 +122,42 @@ _FREE = {
 _GATHERS = {"aten::embedding", "aten::index_select", "aten::gather", "aten::index"}
 
 
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """`aten::_grouped_mm`: each element of `mat_a` meets one column block of `mat_b` of width N, whichever the
+    layout ([rows, K] x [G, K, N] as the experts' forward and dA; [K, rows] x [rows, N] with offsets along the
+    rows, dB; [G, M, K] x [G, K, N] batched): 2 x numel(a) x N multiply-adds."""
+    return 2 * mat_a.numel() * mat_b.shape[-1]
+
+
+# FLOP formulas torch.utils.flop_counter does not have.
+EXTRA_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+# The ops without a FLOP formula that the zoo's models run (eval.simulator.audit), by why they are memory-bound:
+# a constant number of operations per element (or O(log n) for a sort), against hundreds of FLOPs per byte at
+# a GPU's ridge point. Pointwise ops (aten's tag) are memory-bound too and need no entry.
+MEMORY_BOUND = {
+    "softmax (a few ops per element)": {
+        "aten::_softmax", "aten::_safe_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
+        "aten::_log_softmax_backward_data",
+    },
+    "reduction or scan (one op per element read)": {"aten::sum", "aten::mean", "aten::cumsum", "aten::amax", "aten::max"},
+    "selection (a compare per element; sort: log n)": {"aten::topk", "aten::sort", "aten::argsort"},
+    "data movement (copies, gathers, scatters, padding, concatenation)": {
+        "aten::_to_copy", "aten::copy_", "aten::cat", "aten::stack", "aten::constant_pad_nd", "aten::embedding",
+        "aten::embedding_dense_backward", "aten::gather", "aten::index", "aten::index_add_", "aten::index_copy_",
+        "aten::index_put", "aten::index_put_", "aten::index_select", "aten::masked_scatter",
+        "aten::masked_scatter_backward", "aten::scatter_add", "aten::select_backward", "aten::slice_backward",
+        "aten::tril", "aten::repeat_interleave", "aten::clone",
+    },
+    "fill (writes, reads nothing)": {"aten::zeros", "aten::ones", "aten::ones_like", "aten::zeros_like", "aten::new_zeros", "aten::full", "aten::fill_"},
+    "loss (a gather and a sum)": {"aten::nll_loss_forward", "aten::nll_loss_backward"},
+    "collective (charged by the link model, parallel.link)": {
+        "c10d::allreduce_", "c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::alltoall_base_",
+        "c10d::send", "c10d::recv_", "c10d::allgather_", "c10d::alltoall_",
+    },
+}  # fmt: skip
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     out = []
     for x in tree:
@@ -195,8 +234,9 @@ class DeviceClock(TorchDispatchMode):
             return out
         packet = func.overloadpacket
         results = _tensors(out if isinstance(out, (list, tuple)) else [out])
-        if packet in flop_registry:
-            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        formula = EXTRA_FLOPS.get(packet) or flop_registry.get(packet)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
             nbytes = sum(tensor_bytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(tensor_bytes, results))
             self.charge(name, flops, nbytes)
         elif name in _GATHERS:
