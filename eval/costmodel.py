@@ -1,5 +1,5 @@
-"""`python -m eval.costmodel [key=value ...]`: the speed simulator validated against the Ladder paper's 70B table,
-a Hydra app on conf/costmodel.yaml (eval/simulator/costmodel.py runs it)."""
+"""`python -m eval.costmodel [key=value ...]`: the speed simulator validated against the Ladder paper's 70B table
+and its reference's logged prefill latencies, a Hydra app on conf/costmodel.yaml (eval/simulator/costmodel.py runs it)."""
 
 import json
 from pathlib import Path
@@ -19,7 +19,9 @@ def main(cfg: DictConfig) -> None:
     result = run_costmodel(plain, out_dir, " ".join(["python -m eval.costmodel", *HydraConfig.get().overrides.task]))
     print(json.dumps({"constants": result["constants"], "mean_abs_log_ratio": result["mean_abs_log_ratio"],
                       "worst_tok_s_error": result["worst_tok_s_error"],
-                      "worst_ladder_speedup_error": result["worst_ladder_speedup_error"]}, indent=2))  # fmt: skip
+                      "worst_ladder_speedup_error": result["worst_ladder_speedup_error"],
+                      "worst_prefill_error": result["worst_prefill_error"],
+                      "worst_ladder_prefill_speedup_error": result["worst_ladder_prefill_speedup_error"]}, indent=2))  # fmt: skip
     print(f"[costmodel] -> {out_dir}/README.md, costmodel.json, costmodel_ratio.png", flush=True)
 
 

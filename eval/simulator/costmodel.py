@@ -7,17 +7,26 @@ published table names a zoo architecture (`columns` in conf/costmodel.yaml: stan
 parallel), the upper bound is the standard column's run replayed with free communication, and the schedule
 (which collective is waited where) is whatever the architecture's `forward()` does.
 
-Each (column, batch, TP) cell is recorded once (about 2 s each at 70B on 2 CPU cores), then replayed under
-candidate constants, so fitting is cheap. At most five constants are fitted once for the whole table
-(`fit: true`; or used as given): the HBM efficiency, the per-kernel overhead, the NVLink link's base latency
-and per-hop latency, and the contention (the fraction of overlapped communication time still paid). The
-FLOP/s efficiency is set a priori (prefill is a small part of these tokens/s; it is not identifiable here).
-The P2P-off column uses its own link preset (not fitted) with the same device constants.
+The record it is checked against is the reference benchmark's own (eval/simulator/ladder_reference.json, read from
+the logs of mayank31398/ladder-residual-inference, final-results-512/): every cell's tokens/s (the paper's table)
+and its prefill latency. The prefill is run as the reference's is: logits at every prompt position
+(`prefill_logits: 0`), attending over the static cache's buffer under a mask.
 
-Reported: every fitted value, every cell's predicted / published ratio, the ladder speed-ups, the
-all-reduce latency the table implies beside the fitted link's, and a plot of predicted vs published.
+Each (column, batch, TP) cell is recorded once (about 2 s each at 70B on 2 CPU cores), then replayed under
+candidate constants, so fitting is cheap. The constants named in `fitted_constants` (at most six) are fitted once
+for the whole record (`fit: true`; or used as given), the others held at the config's values: the FLOP/s and HBM
+efficiencies, the per-kernel overhead, the NVLink link's base and per-hop latencies (held at the nvlink-h100
+preset's in the committed config), and the contention (the fraction of overlapped communication time still paid)
+in the latency-bound regime (decode's 16-256 KB all-reduces) and in the bandwidth-bound one (prefill's 17-270 MB
+ones), a collective's link time split between the two by the link model's own terms. The fit minimises a soft maximum (the power mean of order 4) of every
+cell's error over its target (`targets`), so that no cell is traded for the mean. The P2P-off column uses its own
+link preset (not fitted) with the same device constants.
+
+Reported: every fitted value, every cell's predicted / published ratio (tokens/s and prefill), the ladder
+speed-ups, the all-reduce latency the table implies beside the fitted link's, and a plot of predicted vs published.
 """
 
+import json
 import math
 import time
 from dataclasses import asdict, replace
@@ -29,32 +38,43 @@ from eval.simulator.device import DeviceModel, get_device
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
 from parallel.link import get_link
 
-# Ladder Residual paper, 70B table (H100 NVLink, fp16, prompt 1024, 512 generated tokens, compiled
-# with CUDA graphs); tokens/s. "p2p_off" is ladder's speed-up over standard with NCCL_P2P_DISABLE=1.
+# The reference's record of the Ladder paper's 70B table (H100 NVLink, fp16, prompt 1024, 512 generated tokens):
+# tokens/s and prefill latency per cell, read from its logs (eval/simulator/ladder_reference.json: repository,
+# commit, paths, the rule for warm-up runs). "p2p_off_speedup" is ladder's speed-up over standard with
+# NCCL_P2P_DISABLE=1 (the paper's table; not in these logs).
+REFERENCE = json.loads((Path(__file__).with_name("ladder_reference.json")).read_text())
 PUBLISHED_70B_SOURCE = (
-    "Zhang, Mishra et al., Ladder-residual (2025), 70B speed table; copied from ../shared/specs/ladder.md "
-    "(reference logs: mayank31398/ladder-residual-inference final-results-512/)"
+    "Zhang, Mishra et al., Ladder-residual (2025), 70B speed table (../shared/specs/ladder.md); tokens/s and prefill "
+    f"latencies from the reference's logs: {REFERENCE['source'].split(' ')[0]} at commit {REFERENCE['commit']}, "
+    f"{REFERENCE['folder']}<folder>/bs_<B>_tp_<P>.log (eval/simulator/ladder_reference.json)"
 )
-PUBLISHED_70B: list[dict] = [
-    {"batch": 1, "tp": 8, "standard": 77.39, "ladder": 101.22, "parallel": 94.22, "upper_bound": 110.59,
-     "ladder_speedup": 1.308, "p2p_off_speedup": 1.599},
-    {"batch": 4, "tp": 8, "standard": 258.56, "ladder": 331.45, "parallel": 307.34, "upper_bound": 355.8,
-     "ladder_speedup": 1.282, "p2p_off_speedup": 1.566},
-    {"batch": 16, "tp": 8, "standard": 843.15, "ladder": 1003.52, "parallel": 973.74, "upper_bound": 1109.65,
-     "ladder_speedup": 1.190, "p2p_off_speedup": 1.351},
-    {"batch": 1, "tp": 4, "standard": 59.41, "ladder": 67.51, "parallel": 65.4, "upper_bound": 69.04,
-     "ladder_speedup": 1.136, "p2p_off_speedup": 1.248},
-]  # fmt: skip
+P2P_OFF_SPEEDUP = {(1, 8): 1.599, (4, 8): 1.566, (16, 8): 1.351, (1, 4): 1.248}
 COLUMNS = ("standard", "ladder", "parallel", "upper_bound")
+
+
+def _published(cell: dict) -> dict:
+    row = {"batch": cell["batch"], "tp": cell["tp"]}
+    for col in COLUMNS:
+        row[col] = cell[col]["tok_s"]
+        row[f"{col}_prefill_ms"] = cell[col].get("prefill_ms")
+    row["ladder_speedup"] = round(row["ladder"] / row["standard"], 3)
+    row["p2p_off_speedup"] = P2P_OFF_SPEEDUP[(cell["batch"], cell["tp"])]
+    return row
+
+
+PUBLISHED_70B: list[dict] = [_published(cell) for cell in REFERENCE["cells"]]
 
 # The constants a fit may move, with the bounds of its search (the device model's and the link's fields).
 FITTED = {
+    "eff_flops": (0.2, 1.0),
     "eff_hbm": (0.3, 1.0),
     "kernel_overhead_us": (0.0, 10.0),
     "link_base_us": (0.0, 30.0),
     "link_alpha_us": (0.0, 5.0),
     "contention": (0.0, 1.0),
+    "contention_bw": (0.0, 1.0),
 }
+MAX_FITTED = 6
 
 
 def constants_from(cfg: dict) -> dict:
@@ -68,10 +88,20 @@ def constants_from(cfg: dict) -> dict:
     return c
 
 
+def fitted_names(cfg: dict) -> list[str]:
+    names = list(cfg.get("fitted_constants") or FITTED)
+    unknown = sorted(set(names) - set(FITTED))
+    if unknown:
+        raise ValueError(f"fitted_constants names {unknown}; choose among {sorted(FITTED)}.")
+    if len(names) > MAX_FITTED:
+        raise ValueError(f"fitted_constants names {len(names)} constants; at most {MAX_FITTED} are fitted.")
+    return names
+
+
 def device_model(cfg: dict, c: dict) -> DeviceModel:
     return DeviceModel.from_config(
-        cfg["device"], eff_flops=cfg["eff_flops"], eff_hbm=c["eff_hbm"], kernel_overhead_us=c["kernel_overhead_us"],
-        contention=c["contention"],
+        cfg["device"], eff_flops=c["eff_flops"], eff_hbm=c["eff_hbm"], kernel_overhead_us=c["kernel_overhead_us"],
+        contention=c["contention"], contention_bw=c["contention_bw"],
     )
 
 
@@ -83,6 +113,7 @@ def fitted_link(cfg: dict, c: dict):
 def check(cfg: dict) -> None:
     get_device(cfg["device"])
     constants_from(cfg)
+    fitted_names(cfg)
     for key, name in cfg["links"].items():
         try:
             get_link(name)
@@ -109,6 +140,7 @@ def record_cells(cfg: dict) -> dict[tuple, object]:
                         out[(column, pub["batch"], tp)] = record_generation(
                             model, pub["batch"], cfg["prompt_len"], cfg["new_tokens"],
                             static_cache=cfg["static_cache"], gqa_expand=cfg["gqa_expand"],
+                            prefill_logits=cfg.get("prefill_logits", 1),
                         )
             finally:
                 release()
@@ -128,6 +160,27 @@ def predict_rows(cells: dict, cfg: dict, c: dict) -> list[dict]:
             row[f"{col}_published"] = pub[col]
             row[f"{col}_predicted"] = pred[col]["tok_s"]
             row[f"{col}_ratio"] = pred[col]["tok_s"] / pub[col]
+        for col in COLUMNS:
+            row[f"{col}_prefill_published"] = pub[f"{col}_prefill_ms"]
+            row[f"{col}_prefill_predicted"] = 1e3 * pred[col]["prefill"]["time"]
+            row[f"{col}_prefill_ratio"] = (
+                None if pub[f"{col}_prefill_ms"] is None else row[f"{col}_prefill_predicted"] / pub[f"{col}_prefill_ms"]
+            )
+        row["ladder_prefill_speedup_predicted"] = pred["standard"]["prefill"]["time"] / pred["ladder"]["prefill"]["time"]
+        if pub["ladder_prefill_ms"] is None:
+            row["ladder_prefill_speedup_published"] = row["ladder_prefill_speedup_error"] = None
+        else:
+            row["ladder_prefill_speedup_published"] = pub["standard_prefill_ms"] / pub["ladder_prefill_ms"]
+            row["ladder_prefill_speedup_error"] = row["ladder_prefill_speedup_predicted"] - row["ladder_prefill_speedup_published"]
+        row["prefill_bandwidth_share"] = pred["standard"]["prefill"]["bandwidth_share"]
+        # The prefill's cost of one all-reduce (llama waits each: (T_standard - T_upper) / all-reduces) and the
+        # fraction of it the ladder column still pays ((T_ladder - T_upper) / (T_standard - T_upper)), logged and predicted.
+        ars = sum(1 for name, _, _ in cells[("standard", *key)].phases["prefill"].recorder.calls if name == "issue")
+        for kind, values in (("published", {c: pub[f"{c}_prefill_ms"] for c in COLUMNS}),
+                             ("predicted", {c: row[f"{c}_prefill_predicted"] for c in COLUMNS})):  # fmt: skip
+            comm = values["standard"] - values["upper_bound"]
+            row[f"prefill_ar_us_{kind}"] = 1e3 * comm / ars
+            row[f"ladder_prefill_paid_{kind}"] = None if values["ladder"] is None else (values["ladder"] - values["upper_bound"]) / comm
         row["ladder_speedup_published"] = pub["ladder_speedup"]
         row["ladder_speedup_predicted"] = pred["ladder"]["tok_s"] / pred["standard"]["tok_s"]
         row["ladder_speedup_error"] = row["ladder_speedup_predicted"] - pub["ladder_speedup"]
@@ -155,31 +208,65 @@ def _hidden(std_tok_s: float, arch_tok_s: float, ub_tok_s: float) -> float | Non
     return report.hidden_fraction(1 / std_tok_s, 1 / arch_tok_s, 1 / ub_tok_s, min_comm_fraction=0.0)
 
 
+# Sensitivity run: the bandwidth-bound contention swept, every other constant as fitted.
+SENSITIVITY_BW = (0.5, 0.6, 0.8, 0.95)
+
+
+def _sensitivity_row(rows: list[dict], value: float) -> dict:
+    out = {"contention_bw": value, "worst_prefill_error": max(abs(x - 1) for x in prefill_ratios(rows))}
+    for r in rows:
+        if r["ladder_prefill_speedup_error"] is not None:
+            out[f"ladder_prefill_speedup_error_{r['setting']}"] = r["ladder_prefill_speedup_error"]
+    return out
+
+
+def prefill_ratios(rows: list[dict]) -> list[float]:
+    """Every logged prefill cell's predicted / logged ratio."""
+    return [r[f"{col}_prefill_ratio"] for r in rows for col in COLUMNS if r[f"{col}_prefill_ratio"] is not None]
+
+
 def mean_abs_log_ratio(ratios) -> float:
     ratios = list(ratios)
     return sum(abs(math.log(r)) for r in ratios) / len(ratios)
 
 
-def loss(rows: list[dict]) -> float:
-    """What the fit minimises: the mean squared log ratio over the 16 tokens/s cells, plus the ladder
-    speed-ups' squared log ratios (so that the ratio the paper is about is not traded for absolute speed)."""
-    cells = [math.log(r[f"{col}_ratio"]) ** 2 for r in rows for col in COLUMNS]
-    speedups = [math.log(r["ladder_speedup_predicted"] / r["ladder_speedup_published"]) ** 2 for r in rows]
-    return sum(cells) / len(cells) + sum(speedups) / len(speedups)
+TARGETS = {"decode": 0.10, "prefill": 0.15, "speedup": 0.05}  # conf/costmodel.yaml `targets` overrides
+
+
+def cell_errors(rows: list[dict], targets: dict | None = None) -> list[float]:
+    """Every cell's error over its target: |log ratio| / target for tokens/s (decode) and prefill, |predicted -
+    published| / target for the ladder speed-ups (tokens/s and prefill); cells without a logged value skipped."""
+    t = {**TARGETS, **(targets or {})}
+    out = [abs(math.log(r[f"{col}_ratio"])) / t["decode"] for r in rows for col in COLUMNS]
+    out += [abs(math.log(r[f"{col}_prefill_ratio"])) / t["prefill"] for r in rows for col in COLUMNS
+            if r[f"{col}_prefill_ratio"] is not None]  # fmt: skip
+    out += [abs(r["ladder_speedup_error"]) / t["speedup"] for r in rows]
+    out += [abs(r["ladder_prefill_speedup_error"]) / t["speedup"] for r in rows if r["ladder_prefill_speedup_error"] is not None]
+    return out
+
+
+def loss(rows: list[dict], targets: dict | None = None, order: int = 4) -> float:
+    """What the fit minimises: the power mean of order 4 of `cell_errors` (a soft maximum: 1 = every cell at
+    its target), so that the worst cells lead rather than the mean."""
+    errors = cell_errors(rows, targets)
+    return (sum(e**order for e in errors) / len(errors)) ** (1 / order)
 
 
 def fit(cells: dict, cfg: dict, start: dict, rounds: int = 6, points: int = 21) -> dict:
-    """Coordinate descent over the FITTED constants: each round scans every constant over a grid around
-    its current value (the grid narrows each round), keeping the best; deterministic."""
-    c, best = dict(start), loss(predict_rows(cells, cfg, start))
-    width = {k: hi - lo for k, (lo, hi) in FITTED.items()}
+    """Coordinate descent over the constants named in `fitted_constants`: each round scans every one over a
+    grid around its current value (the grid narrows each round), keeping the best; deterministic."""
+    targets = cfg.get("targets")
+    names = fitted_names(cfg)
+    c, best = dict(start), loss(predict_rows(cells, cfg, start), targets)
+    width = {k: FITTED[k][1] - FITTED[k][0] for k in names}
     for _ in range(rounds):
-        for name, (lo, hi) in FITTED.items():
+        for name in names:
+            lo, hi = FITTED[name]
             centre = c[name]
             for i in range(points):
                 value = min(hi, max(lo, centre + width[name] * (i / (points - 1) - 0.5)))
                 trial = {**c, name: value}
-                err = loss(predict_rows(cells, cfg, trial))
+                err = loss(predict_rows(cells, cfg, trial), targets)
                 if err < best - 1e-15:
                     best, c = err, trial
             width[name] /= 3
@@ -197,11 +284,17 @@ def run_costmodel(cfg: dict, out_dir: Path, command: str = "") -> dict:
     start = constants_from(cfg)
     c = fit(cells, cfg, start) if cfg["fit"] else start
     rows = predict_rows(cells, cfg, c)
+    sensitivity = [_sensitivity_row(predict_rows(cells, cfg, {**c, "contention_bw": v}), v) for v in SENSITIVITY_BW]
     errors = {
         "all_tok_s": mean_abs_log_ratio(r[f"{col}_ratio"] for r in rows for col in COLUMNS),
         **{col: mean_abs_log_ratio(r[f"{col}_ratio"] for r in rows) for col in COLUMNS},
         "ladder_speedup": mean_abs_log_ratio(r["ladder_speedup_predicted"] / r["ladder_speedup_published"] for r in rows),
         "p2p_off_speedup": mean_abs_log_ratio(r["p2p_off_speedup_ratio"] for r in rows),
+        "all_prefill": mean_abs_log_ratio(prefill_ratios(rows)),
+        "ladder_prefill_speedup": mean_abs_log_ratio(
+            r["ladder_prefill_speedup_predicted"] / r["ladder_prefill_speedup_published"] for r in rows
+            if r["ladder_prefill_speedup_published"] is not None
+        ),
     }
     worst = max(abs(r[f"{col}_ratio"] - 1) for r in rows for col in COLUMNS)
     link = fitted_link(cfg, c)
@@ -220,6 +313,14 @@ def run_costmodel(cfg: dict, out_dir: Path, command: str = "") -> dict:
         "mean_abs_log_ratio": errors,
         "worst_tok_s_error": worst,
         "worst_ladder_speedup_error": max(abs(r["ladder_speedup_error"]) for r in rows),
+        "worst_prefill_error": max(abs(x - 1) for x in prefill_ratios(rows)),
+        "worst_ladder_prefill_speedup_error": max(
+            abs(r["ladder_prefill_speedup_error"]) for r in rows if r["ladder_prefill_speedup_error"] is not None
+        ),
+        "fitted_constants": fitted_names(cfg),
+        "targets": {**TARGETS, **(cfg.get("targets") or {})},
+        "loss": loss(rows, cfg.get("targets")),
+        "sensitivity_contention_bw": sensitivity,
         "recorded_s": recorded_s,
         "elapsed_s": time.perf_counter() - started,
         "rows": rows,
@@ -231,19 +332,25 @@ def run_costmodel(cfg: dict, out_dir: Path, command: str = "") -> dict:
 
 
 def plot_predicted_vs_published(path: Path, rows: list[dict]) -> Path:
+    """Predicted vs published tokens/s (left) and predicted vs logged prefill latency (right), every cell."""
     plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    for col, marker in zip(COLUMNS, "osD^", strict=True):
-        xs = [r[f"{col}_published"] for r in rows]
-        ys = [r[f"{col}_predicted"] for r in rows]
-        ax.scatter(xs, ys, marker=marker, label=col)
-    lo = min(min(r[f"{c}_published"], r[f"{c}_predicted"]) for r in rows for c in COLUMNS) * 0.8
-    hi = max(max(r[f"{c}_published"], r[f"{c}_predicted"]) for r in rows for c in COLUMNS) * 1.25
-    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15, label="±15%")
-    ax.set(xscale="log", yscale="log", xlabel="published tokens/s", ylabel="predicted tokens/s",
-           title="Ladder 70B table: simulator vs paper")  # fmt: skip
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5))
+    panels = (("", "tokens/s", 0.10), ("_prefill", "prefill ms", 0.15))
+    for ax, (part, unit, band) in zip(axes, panels, strict=True):
+        pairs = []
+        for col, marker in zip(COLUMNS, "osD^", strict=True):
+            xy = [(r[f"{col}{part}_published"], r[f"{col}{part}_predicted"]) for r in rows
+                  if r[f"{col}{part}_published"] is not None]  # fmt: skip
+            pairs += xy
+            ax.scatter([x for x, _ in xy], [y for _, y in xy], marker=marker, label=col)
+        lo = min(min(xy) for xy in pairs) * 0.8
+        hi = max(max(xy) for xy in pairs) * 1.25
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+        ax.fill_between([lo, hi], [lo * (1 - band), hi * (1 - band)], [lo * (1 + band), hi * (1 + band)],
+                        color="grey", alpha=0.15, label=f"±{band:.0%}")  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel=f"published {unit}", ylabel=f"predicted {unit}",
+               title=f"Ladder 70B: {unit}, simulator vs reference")  # fmt: skip
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -267,12 +374,29 @@ SPEEDUP_COLUMNS = [
     ("ar_us_published", "us/all-reduce pub-implied"),
     ("ar_us_predicted", "pred"),
 ]
+PREFILL_COLUMNS = [
+    ("setting", "batch/TP"),
+    *[(f"{a}_prefill_{k}", f"{a} {label}") for a in COLUMNS for k, label in (("published", "logged ms"), ("predicted", "pred ms"), ("ratio", "ratio"))],
+    ("ladder_prefill_speedup_published", "ladder prefill speed-up logged"),
+    ("ladder_prefill_speedup_predicted", "pred"),
+    ("ladder_prefill_speedup_error", "pred - logged"),
+    ("prefill_bandwidth_share", "bandwidth-bound share of llama's prefill link time"),
+]
+PREFILL_COMM_COLUMNS = [
+    ("setting", "batch/TP"),
+    ("prefill_ar_us_published", "us/all-reduce logged-implied"),
+    ("prefill_ar_us_predicted", "pred"),
+    ("ladder_prefill_paid_published", "ladder pays of it, logged-implied"),
+    ("ladder_prefill_paid_predicted", "pred"),
+]
 CONSTANT_NOTES = {
+    "eff_flops": "fraction of peak FLOP/s a compute-bound kernel reaches",
     "eff_hbm": "fraction of HBM bandwidth a memory-bound kernel reaches",
     "kernel_overhead_us": "per kernel (launch gap and tail under CUDA graphs)",
     "link_base_us": "NVLink: fixed latency of one collective",
     "link_alpha_us": "NVLink: latency per ring hop (an all-reduce at TP P has 2 (P-1) hops)",
-    "contention": "fraction of the overlapped communication time still paid",
+    "contention": "fraction of the overlapped communication time still paid, latency-bound collectives (decode)",
+    "contention_bw": "the same, bandwidth-bound collectives (prefill's 17-270 MB all-reduces)",
 }
 
 
@@ -283,8 +407,11 @@ def _markdown(result: dict, image: Path) -> str:
     def pct(x):
         return f"{math.exp(x) - 1:.1%}"
 
-    how = "fitted once to the whole table (`fit: true`)" if result["fitted"] else "as given in the config (`fit: false`)"
-    constants = [{"constant": k, "value": v, "start": result["start"][k], "what": CONSTANT_NOTES[k]} for k, v in c.items()]
+    how = "fitted once to the whole record (`fit: true`)" if result["fitted"] else "as given in the config (`fit: false`)"
+    names = result["fitted_constants"]
+    constants = [{"constant": k, "value": v, "start": result["start"][k], "fitted": "yes" if k in names else "no (held)",
+                  "what": CONSTANT_NOTES[k]} for k, v in c.items()]  # fmt: skip
+    t = result["targets"]
     lines = [
         "# Speed simulator vs the Ladder paper's 70B table",
         "",
@@ -304,12 +431,17 @@ def _markdown(result: dict, image: Path) -> str:
            "repeat_interleave; the zoo's own attention reads each KV head once)" if result["config"].get("gqa_expand") else "")
         + "; tokens/s = batch x new tokens / (prefill + (new tokens - 1) decode steps).",
         "",
-        f"Device `{d['device']['name']}` ({d['device']['note']}); FLOP/s efficiency {d['eff_flops']:.0%} (set a "
-        f"priori). Constants ({how}; {len(c)} in all):",
+        "The prefill as the reference runs it: logits at every prompt position (gpt-fast's `model(x, input_pos)`), "
+        "elementwise ops fused (its prefill is compiled, `--compile_prefill`). Prefill latency = the replayed prefill "
+        "forward; published = the mean of the log's 10 timed runs (warm-ups excluded: eval/simulator/ladder_reference.json).",
         "",
-        report.write_markdown_table(constants, ["constant", "value", "start", "what"]),
+        f"Device `{d['device']['name']}` ({d['device']['note']}). Constants ({how}; {len(names)} fitted: the fit "
+        f"minimises the power mean of order 4 of every cell's error over its target: decode {t['decode']:.0%}, "
+        f"prefill {t['prefill']:.0%}, ladder speed-ups {t['speedup']}; loss {result['loss']:.3f}, 1 = every cell at its target):",
         "",
-        f"Fitted NVLink link: base {nv['base_s'] * 1e6:.2f} us + {nv['alpha_s'] * 1e6:.2f} us per hop, "
+        report.write_markdown_table(constants, ["constant", "value", "start", "fitted", "what"]),
+        "",
+        f"NVLink link: base {nv['base_s'] * 1e6:.2f} us + {nv['alpha_s'] * 1e6:.2f} us per hop, "
         f"{nv['beta_Bps'] / 1e9:g} GB/s (preset `{nv['name']}`'s bandwidth): one all-reduce at TP 8 costs "
         f"{result['all_reduce_us_tp8']:.1f} us of latency. P2P-off column: preset `{result['links']['p2p_off']['name']}` "
         "as it is (not fitted).",
@@ -325,6 +457,33 @@ def _markdown(result: dict, image: Path) -> str:
         "",
         f"Largest |ratio - 1| over the 16 cells: **{result['worst_tok_s_error']:.1%}**; largest |ladder speed-up "
         f"error|: **{result['worst_ladder_speedup_error']:.3f}**.",
+        "",
+        "## Prefill latency",
+        "",
+        "ratio = predicted / logged; n/a where the reference's log is not in the stored copy (ladder, batch 16).",
+        "",
+        report.write_markdown_table(rows, PREFILL_COLUMNS),
+        "",
+        f"Largest |ratio - 1| over the {len(prefill_ratios(rows))} logged prefill cells: "
+        f"**{result['worst_prefill_error']:.1%}**; largest |ladder prefill speed-up error|: "
+        f"**{result['worst_ladder_prefill_speedup_error']:.3f}**.",
+        "",
+        "The prefill's communication: the cost of one all-reduce (llama waits every one: (T_standard - "
+        "T_upper_bound) / all-reduces per prefill) and the fraction of that time the ladder column still pays "
+        "((T_ladder - T_upper_bound) / (T_standard - T_upper_bound)), as the logs imply them and as predicted:",
+        "",
+        report.write_markdown_table(rows, PREFILL_COMM_COLUMNS),
+        "",
+        f"Sensitivity: `contention_bw` swept (fitted: {c['contention_bw']:.3g}), every other constant as above; the "
+        "ladder prefill speed-up's error per setting and the largest prefill error:",
+        "",
+        report.write_markdown_table(
+            result["sensitivity_contention_bw"],
+            [("contention_bw", "contention_bw"),
+             *[(f"ladder_prefill_speedup_error_{r['setting']}", f"speed-up error {r['setting']}") for r in rows
+               if r["ladder_prefill_speedup_error"] is not None],
+             ("worst_prefill_error", "largest prefill error")],
+        ),  # fmt: skip
         "",
         "## Speed-ups",
         "",

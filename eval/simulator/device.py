@@ -77,7 +77,12 @@ class DeviceModel:
     kernel_overhead_s: float = 2e-6  # per kernel: launch gap and tail (CUDA graphs keep it small)
     # Fraction of the communication time that overlaps compute still paid: NCCL's kernels take SMs and HBM
     # bandwidth from the compute they run beside (added by the replay, `eval.simulator.replay.Phase.replay`).
+    # `contention` is the latency-bound regime's (small messages: the launch and the protocol's handshakes),
+    # `contention_bw` the bandwidth-bound regime's (large messages stream through HBM and SMs for their
+    # whole duration); a collective's link time is split between the two by the link model's own terms
+    # (latency: base + hops x alpha; bandwidth: the rest). None: `contention` for both.
     contention: float = 0.0
+    contention_bw: float | None = None
 
     def __post_init__(self):
         for name in ("eff_flops", "eff_hbm"):
@@ -88,10 +93,18 @@ class DeviceModel:
             raise ValueError(f"kernel_overhead_s={self.kernel_overhead_s!r} must be >= 0.")
         if not 0 <= self.contention <= 1:
             raise ValueError(f"contention={self.contention!r} must be in [0, 1].")
+        if self.contention_bw is not None and not 0 <= self.contention_bw <= 1:
+            raise ValueError(f"contention_bw={self.contention_bw!r} must be in [0, 1].")
+
+    def contention_at(self, bandwidth_share: float) -> float:
+        """The contention of overlapped communication whose link time is `bandwidth_share` bandwidth-bound
+        (the rest latency-bound)."""
+        bw = self.contention if self.contention_bw is None else self.contention_bw
+        return (1 - bandwidth_share) * self.contention + bandwidth_share * bw
 
     @classmethod
     def from_config(
-        cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention
+        cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention, contention_bw=None
     ) -> "DeviceModel":
         """From the configs' units (conf/bench.yaml `device_model`, conf/costmodel.yaml): the per-kernel
         overhead in microseconds, a preset by name."""
@@ -101,6 +114,7 @@ class DeviceModel:
             eff_hbm=float(eff_hbm),
             kernel_overhead_s=float(kernel_overhead_us) * 1e-6,
             contention=float(contention),
+            contention_bw=None if contention_bw is None else float(contention_bw),
         )
 
     def op_time(self, flops: float, nbytes: float, kernel: bool) -> float:

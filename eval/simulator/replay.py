@@ -23,7 +23,7 @@ the fill level on the device: the reference's, and the real bench's compiled pat
 generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ import models
 import parallel
 from eval.simulator.device import DeviceClock, DeviceModel
 from parallel import comm
-from parallel.link import ClockRecorder, LinkPreset
+from parallel.link import ClockRecorder, LinkPreset, all_to_all_time, collective_time, get_links
 
 # The upper bound: the same run with every collective free.
 NO_COMM = LinkPreset("no-comm", 0.0, float("inf"), "upper bound: communication costs nothing")
@@ -74,13 +74,16 @@ class Phase:
 
     def replay(self, device: DeviceModel, link) -> dict:
         """{time, exposed, busy, overlapped, ...} in seconds: the schedule on `link` with op times under
-        `device`, plus its `contention` of every overlapped second of communication (NCCL kernels share the
-        SMs and HBM bandwidth with the compute they overlap)."""
+        `device`, plus its contention of every overlapped second of communication (NCCL kernels share the
+        SMs and HBM bandwidth with the compute they overlap): `contention` and `contention_bw` weighted by the
+        share of the phase's link time that is bandwidth-bound (`bandwidth_share`)."""
         times = self.clock.times(device)
         (mark,) = self.recorder.replay(link, times)
         overlapped = max(0.0, mark["busy"] - mark["exposed"])
+        share = bandwidth_share(self.recorder.calls, link)
         return {
-            "time": mark["time"] + device.contention * overlapped,
+            "time": mark["time"] + device.contention_at(share) * overlapped,
+            "bandwidth_share": share,
             "exposed": mark["exposed"],
             "busy": mark["busy"],
             "overlapped": overlapped,
@@ -91,6 +94,31 @@ class Phase:
             "flops": sum(self.clock.flops),
             "bytes": sum(self.clock.bytes),
         }
+
+
+def bandwidth_share(calls, link) -> float:
+    """The fraction of the recorded collectives' link time on `link` that is bandwidth-bound (the rest is the
+    link's latency: base + hops x alpha, `parallel.link.collective_time` with unlimited bandwidth)."""
+    links = get_links(link)
+    total = latency = 0.0
+    for name, args, kwargs in calls:
+        if name != "issue":
+            continue
+        kind, nbytes, *rest = args
+        p = rest[0] if rest and rest[0] is not None else kwargs.get("world_size")
+        dim = rest[1] if len(rest) > 1 else kwargs.get("dim")
+        preset = links[dim] if isinstance(links, dict) else links
+        if p is None or p <= 1 or preset.beta_Bps == float("inf"):
+            continue
+        peer = kwargs.get("peer_bytes")
+        free = replace(preset, beta_Bps=float("inf"))
+        if peer is not None:
+            total += all_to_all_time(*peer, p, preset)
+            latency += all_to_all_time(*peer, p, free)
+        else:
+            total += collective_time(kind, nbytes, p, preset)
+            latency += collective_time(kind, nbytes, p, free)
+    return 0.0 if total <= 0 else (total - latency) / total
 
 
 @dataclass
@@ -123,10 +151,13 @@ def _record(model, run, world_size: int, gqa_expand: bool) -> Phase:
 
 @torch.no_grad()
 def record_generation(
-    model, batch: int, prompt_len: int, new_tokens: int, static_cache: bool = True, gqa_expand: bool = False
+    model, batch: int, prompt_len: int, new_tokens: int, static_cache: bool = True, gqa_expand: bool = False,
+    prefill_logits: int = 1,
 ) -> Recording:
     """Record the prefill of a `prompt_len` prompt and one decode step at the middle of `new_tokens`.
-    `gqa_expand`: attention charged as repeating K and V to every query head first (eval.simulator.device)."""
+    `gqa_expand`: attention charged as repeating K and V to every query head first (eval.simulator.device).
+    `prefill_logits`: the prompt positions the prefill computes logits for (the last one; 0 = every position,
+    as gpt-fast's prefill does, `model(x, input_pos)` through the full lm_head)."""
     if prompt_len < 1 or new_tokens < 1 or batch < 1:
         raise ValueError(f"batch={batch}, prompt_len={prompt_len}, new_tokens={new_tokens} must all be >= 1.")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -137,7 +168,7 @@ def record_generation(
 
     def prefill():
         cache = make_cache(model, batch, max_len, static_cache)
-        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(prompt, cache=cache, use_cache=True, logits_to_keep=prefill_logits)
         out.logits[:, -1].argmax(-1, keepdim=True)
 
     # The decode step's cache: filled (not recorded, no link) to the middle of the generation.
