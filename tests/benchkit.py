@@ -41,3 +41,17 @@ def run_cli(out: Path, *overrides: str) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "results.json").read_text())
+
+
+def run_here(out: Path, *overrides: str) -> dict:
+    """What run_cli(out, *overrides) runs, in this process (an interpreter start fewer); its results.json. The
+    command line itself is run by test_bench's tiny_run. (The bench sets torch's thread count: put it back.)"""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("bench", overrides=["logger=none", *overrides])
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    threads = torch.get_num_threads()
+    try:
+        run_bench({k: v for k, v in plain.items() if k not in ("logger", "paths", "hydra")}, out)
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((out / "results.json").read_text())

@@ -8,7 +8,7 @@ import torch
 import models
 from eval.bench import check_settings
 from eval.bench.settings import model_config
-from tests.benchkit import bench_settings, run_cli
+from tests.benchkit import bench_settings, run_here
 
 # --- decode paths (bench_preset=gqla): one device, per path / batch / query length ------------------------
 
@@ -35,7 +35,7 @@ def test_decode_paths_settings_fail_fast():
 def gqla_run(tmp_path_factory):
     """The gqla preset at the tiny shape: the decode-path section at batch 1 and 2, and the TP 2 rows on one link."""
     out = tmp_path_factory.mktemp("bench_gqla")
-    results = run_cli(
+    results = run_here(
         out, "bench_preset=gqla", "bench_shape=tiny",
         "tp=[2]", "batch_sizes=[1]", "prompt_len=8", "new_tokens=3", "warmup=0", "repeats=1",
         "simulated.links=[nvlink-h100]", "real.enabled=false", "decode_paths.batch_sizes=[1,2]",

@@ -7,7 +7,7 @@ import pytest
 
 from eval.bench import check_settings
 from eval.bench.settings import model_config
-from tests.benchkit import bench_settings, run_cli, run_predicted
+from tests.benchkit import bench_settings, run_here, run_predicted
 
 
 def test_moe_preset_compares_like_with_like():
@@ -39,7 +39,7 @@ def moe_run(tmp_path_factory):
     """The MoE preset at the tiny shape with llama added: ep 2 (llama skipped there), a preset link and a
     per-dimension one, real gloo at ep 2, and the expert-layer throughput on a few tokens."""
     out = tmp_path_factory.mktemp("bench_moe")
-    results = run_cli(
+    results = run_here(
         out, "bench_preset=moe",
         "bench_shape=tiny", "archs=[llama,moe,scmoe,moepp]", "ep=[2]", "batch_sizes=[1]", "prompt_len=16",
         "new_tokens=3", "warmup=1", "repeats=1", "simulated.links=[pcie4,{ep: nvlink-h100}]",

@@ -4,7 +4,7 @@
   with batch 4 (rtol 1e-5: only the order of sums differs), the balance loss included; with DeepSeek-V3's
   balance bias on, the biases the trainer moves after each step (expert loads summed over the ep ranks)
   end equal to the one process's;
-- `scmoe` and `moepp` likewise at ep 2 (no balance bias);
+- `scmoe` and `moepp` likewise at ep 2 (no balance bias; slow, `pytest -m slow`);
 - a one-process fast run of `scmoe` and of `moepp` logs the language-model loss and the balance loss on
   their own (`train/lm_loss`, `train/aux/load_balance`), which add up to `train/loss`;
 - conf/model/{moe,scmoe,moepp}.yaml have the active parameters of conf/model/llama.yaml (within 0.5%).
@@ -71,6 +71,11 @@ def test_moe_ep2_loss_curve_matches_one_process(ep2_runs):
     assert_same_curves(ep2_runs)
 
 
+# Slow (an in-process run and a 2-rank command each): the default run keeps moe's ep2 curve above (the same
+# strategy, data split and gradient sync), and tests/test_ep.py::test_ep2_equals_one_process checks scmoe's and
+# moepp's EP 2 logits, loss with the balance loss and every gradient after grad_sync against one process;
+# test_one_process_fast_run_logs_the_aux_loss below trains both through the app.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["scmoe", "moepp"])
 def test_ep2_loss_curve_matches_one_process(arch, tmp_path):
     assert_same_curves(train_one_process_and_ep2(tmp_path, [f"model={arch}", *RUN]))

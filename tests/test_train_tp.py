@@ -12,18 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train import TINY
+from tests.test_train import TINY, compose_pretrain
+from train.pretrain import train
 
 TP_TINY = [o.replace("num_key_value_heads=1", "num_key_value_heads=2") for o in TINY]
 STEPS = 6
+RUN = [
+    *TP_TINY, "logger=csv", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=3",
+    "callbacks.model_checkpoint.every_n_train_steps=3", "callbacks.progress_bar=null",
+]
 
 
 def run_pretrain(run_dir: Path, *overrides: str) -> None:
-    command = [
-        sys.executable, "-m", "train.pretrain", f"hydra.run.dir={run_dir}", *TP_TINY, "logger=csv",
-        f"trainer.max_steps={STEPS}", "trainer.val_check_interval=3", "callbacks.model_checkpoint.every_n_train_steps=3",
-        "callbacks.progress_bar=null", *overrides,
-    ]
+    command = [sys.executable, "-m", "train.pretrain", f"hydra.run.dir={run_dir}", *RUN, *overrides]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
 
 
@@ -35,7 +36,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    run_pretrain(root / "tp1")
+    train(compose_pretrain(RUN, root / "tp1"))  # in this process: one interpreter start fewer
     run_pretrain(root / "tp2", "parallel=tp2")
     return root / "tp1", root / "tp2"
 
