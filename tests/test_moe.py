@@ -132,7 +132,9 @@ def test_dispatch_combine_equals_dense_reference(cap):
     (out * upstream).sum().backward()
     (ref * upstream).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=ATOL)
-    torch.testing.assert_close(gates.grad, gates_ref.grad, rtol=0, atol=ATOL)
+    # A gate's gradient is a dot product over the hidden dim of values up to ~50: in fp32 its last bits move with
+    # the summation order (thread count), so it is compared to a few ulps of its size as well.
+    torch.testing.assert_close(gates.grad, gates_ref.grad, rtol=1e-6, atol=ATOL)
     for name in ("gate_proj", "up_proj", "down_proj"):
         torch.testing.assert_close(
             getattr(experts, name).grad, getattr(ref_experts, name).grad, rtol=0, atol=ATOL
