@@ -111,35 +111,48 @@ def test_every_collective_is_functional_under_compile_forward_and_backward():
     run_ranks(_collectives_ranks, 4)
 
 
-def _training_step_ranks(rank, world_size, archs, backend):
+def sharded_tiny(arch: str, mesh, dim: str, world_size: int):
+    """`arch`'s tiny config at {dim: world_size}, seeded, sharded over `mesh`, in eval mode."""
+    entry = models.ZOO[arch]
+    torch.manual_seed(0)
+    model = entry.model_class(entry.tiny_at({dim: world_size})).eval()
+    parallel.parallelize(model, mesh)
+    return model
+
+
+def compiled_training_step_equals_eager(model, ids, backend: str, label: str) -> dict:
+    """One training step (loss, backward) eager, then compiled with fullgraph=True (no break allowed): the same
+    loss and every gradient (atol ATOL), the graph holding eager's collectives, the backward's too (in its
+    autograd functions' subgraphs). Returns eager's collectives. tests/test_compile_moe.py runs it too."""
     import torch._dynamo as dynamo
 
+    def step(ids):
+        return model(ids, labels=ids, use_cache=False).loss
+
+    comm.reset_counters()
+    loss = step(ids)
+    loss.backward()
+    counts = comm.snapshot_counters()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    graphs = CountingBackend(backend)
+    compiled_loss = torch.compile(step, fullgraph=True, backend=graphs)(ids)
+    compiled_loss.backward()
+    assert graphs.graphs == [counts], label
+    torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=ATOL, msg=label)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=ATOL, msg=f"{label}: {name}")
+    return counts
+
+
+def _training_step_ranks(rank, world_size, archs, backend):
     mesh = parallel.init_mesh(tp=world_size)
     for arch in archs:
-        entry = models.ZOO[arch]
-        torch.manual_seed(0)
-        model = entry.model_class(entry.tiny_at({"tp": world_size})).train()
-        parallel.parallelize(model, mesh)
+        model = sharded_tiny(arch, mesh, "tp", world_size).train()
         ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
-
-        def step(ids, model=model):
-            return model(ids, labels=ids, use_cache=False).loss
-
-        comm.reset_counters()
-        loss = step(ids)
-        loss.backward()
-        counts = comm.snapshot_counters()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        dynamo.reset()
-        graphs = CountingBackend(backend)
-        compiled_loss = torch.compile(step, fullgraph=True, backend=graphs)(ids)  # fullgraph: no break allowed
-        compiled_loss.backward()
-        # The graph holds eager's collectives, the backward's too (in its autograd functions' subgraphs).
-        assert graphs.graphs == [counts], arch
-        torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=ATOL, msg=arch)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=ATOL, msg=f"{arch}: {name}")
+        compiled_training_step_equals_eager(model, ids, backend, arch)
 
 
 def test_tp2_training_step_compiles_fullgraph_and_equals_eager():
@@ -174,10 +187,7 @@ def _decode_ranks(rank, world_size, archs, backend):
 
     mesh = parallel.init_mesh(tp=world_size)
     for arch in archs:
-        entry = models.ZOO[arch]
-        torch.manual_seed(0)
-        model = entry.model_class(entry.tiny_at({"tp": world_size})).eval()
-        parallel.parallelize(model, mesh)
+        model = sharded_tiny(arch, mesh, "tp", world_size)
         ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
         tokens, logits, counts = generation(model, ids, prefill, decode_step)
         assert counts["all_reduce"]["calls"] > 0, arch
@@ -217,10 +227,7 @@ def _generate_ranks(rank, world_size, archs, dim, compiled):
 
     mesh = parallel.init_mesh(**{dim: world_size})
     for arch in archs:
-        entry = models.ZOO[arch]
-        torch.manual_seed(0)
-        model = entry.model_class(entry.tiny_at({dim: world_size})).eval()
-        parallel.parallelize(model, mesh)
+        model = sharded_tiny(arch, mesh, dim, world_size)
         if hasattr(model, "set_moe_dispatch"):
             model.set_moe_dispatch("padded")  # no host sync: what a compiled step can hold
         ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))

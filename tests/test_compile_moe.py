@@ -29,7 +29,7 @@ import parallel
 from eval.bench.steps import CountingBackend, compile_steps, decode_step, prefill
 from parallel import comm
 from tests.distributed import run_ranks
-from tests.test_compile import generation
+from tests.test_compile import compiled_training_step_equals_eager, generation
 from tests.test_ep import EP_ARCHS, build, ids_of
 
 ATOL = 1e-6
@@ -105,28 +105,10 @@ def _training_step(rank: int, mesh, name: str) -> None:
     model = build(name, {"ep": mesh.size()}, moe_dispatch="padded", router_aux_loss_coef=0.5)
     parallel.parallelize(model, mesh)
     ids = ids_of(2, 8, seed=rank)
-
-    def step(ids, model=model):
-        return model(ids, labels=ids, use_cache=False).loss
-
-    comm.reset_counters()
-    loss = step(ids)
-    loss.backward()
-    counts = comm.snapshot_counters()
-    grads = {pname: p.grad for pname, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    _fresh()
-    graphs = CountingBackend("aot_eager")
-    compiled_loss = torch.compile(step, fullgraph=True, backend=graphs)(ids)
-    compiled_loss.backward()
+    counts = compiled_training_step_equals_eager(model, ids, "aot_eager", name)
     _no_graph_break()
     # The dispatch / combine all-to-alls and the balance loss's all-reduce, forward and backward.
-    assert set(counts) == {"all_to_all", "all_reduce"} and graphs.graphs == [counts], name
-    torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    for pname, p in model.named_parameters():
-        torch.testing.assert_close(
-            p.grad, grads[pname], rtol=0, atol=ATOL, msg=lambda m, n=pname: f"{name} {n}: {m}"
-        )
+    assert set(counts) == {"all_to_all", "all_reduce"}, name
 
 
 DECODE_STEPS = 6
