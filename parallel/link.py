@@ -56,6 +56,12 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     "nvlink-a100": LinkPreset(
         "nvlink-a100", 1.5e-6, 230e9, "A100 SXM NVLink 3 via NVSwitch; latencies assumed as nvlink-h100's", base_s=4.9e-6
     ),
+    # NVLink 3 on A800 SXM (the export variant of A100: 400 GB/s bidirectional, 200 GB/s per direction); NCCL bus
+    # bandwidth taken at nvlink-a100's fraction of nominal (230 / 300); latencies as nvlink-a100's (assumed).
+    "nvlink-a800": LinkPreset(
+        "nvlink-a800", 1.5e-6, 200e9 * 230 / 300, "A800 SXM NVLink 3 at 200 GB/s per direction; latencies assumed as nvlink-h100's",
+        base_s=4.9e-6,
+    ),
     # PCIe 4.0 x16: 32 GB/s nominal, ~24 GB/s achieved (P2P off goes through host memory).
     "pcie4": LinkPreset("pcie4", 10e-6, 24e9, "PCIe 4.0 x16, achieved"),
     "ethernet-25g": LinkPreset("ethernet-25g", 25e-6, 25e9 / 8 * 0.9, "25 GbE, 90% line rate"),

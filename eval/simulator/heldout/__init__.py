@@ -1,0 +1,66 @@
+"""Held-out validation of the speed simulator: each paper's headline speed-up predicted at the paper's own setting.
+
+Nothing here is fitted. The device model's constants are the ones eval.costmodel fitted to the Ladder paper's 70B
+record (conf/bench.yaml `device_model`, reports/costmodel), the device and link presets come from spec sheets
+(eval.simulator.device.DEVICES, parallel.link.LINK_PRESETS), and each paper's row is computed the way the paper
+computes its headline (its model shapes, hardware, baselines, batch and sequence lengths, what is timed) by running
+the architectures' own `forward()` on the meta device (eval.simulator.replay, eval.bench). A row that misses its
+target names the effect the model lacks, with a sensitivity run as evidence; no constant is tuned to a row.
+
+One module per paper, each with
+
+    PAPER: str                         # the key: "kraken", "scmoe", "moepp", "lasp2"
+    def validate(quick: bool = False) -> dict   # the row (below); quick: tiny shapes, only the plumbing (tests)
+
+and the row it returns:
+
+    {
+      "paper": "Kraken (Prabhakar, Zhang, Wentzlaff, NeurIPS 2024)",
+      "source": "where every published number comes from (arXiv id and version, table / figure / section)",
+      "headline": "the claim as the paper states it",
+      "setting": "model shapes, hardware presets, baselines, batch and sequence lengths, what is timed",
+      "published": 1.356,              # the headline as a speed-up ratio (> 1: faster)
+      "predicted": 1.29,               # computed the same way from the simulator's cells
+      "cells": [{"label": ..., "published": float | None, "predicted": float, "what": ...}, ...],
+      "sensitivity": [{"effect": ..., "value": ..., "predicted": float}, ...],   # evidence for a miss
+      "lacks": "" or "the effect the model lacks, with the sensitivity run that shows it",
+      "notes": ["...", ...],
+    }
+
+`eval.validation` (python -m eval.validation) adds `ratio` = predicted / published and `within` (|ratio - 1| <=
+TARGET) and writes reports/simulator-validation/.
+"""
+
+import importlib
+import math
+from pathlib import Path
+
+import yaml
+
+from eval.simulator.device import DeviceModel
+
+TARGET = 0.15  # each headline speed-up within 15% of the published ratio (issue 19)
+PAPERS = ("kraken", "scmoe", "moepp", "lasp2")
+_BENCH_YAML = Path(__file__).resolve().parents[3] / "conf" / "bench.yaml"
+
+
+def fitted_constants() -> dict:
+    """The device model's constants as committed (conf/bench.yaml `device_model`: eval.costmodel's Ladder fit)."""
+    with open(_BENCH_YAML) as f:
+        return dict(yaml.safe_load(f)["device_model"])
+
+
+def device_model(preset: str, **changes) -> DeviceModel:
+    """The committed constants on a device preset; `changes` override some (sensitivity runs only)."""
+    return DeviceModel.from_config(preset, **{**fitted_constants(), **changes})
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def module(paper: str):
+    if paper not in PAPERS:
+        raise ValueError(f"Unknown held-out paper {paper!r}; choose from {list(PAPERS)}.")
+    return importlib.import_module(f"eval.simulator.heldout.{paper}")
