@@ -35,7 +35,7 @@ import importlib
 import math
 from pathlib import Path
 
-import yaml
+from omegaconf import OmegaConf
 
 from eval.simulator.device import DeviceModel
 
@@ -46,8 +46,7 @@ _BENCH_YAML = Path(__file__).resolve().parents[3] / "conf" / "bench.yaml"
 
 def fitted_constants() -> dict:
     """The device model's constants as committed (conf/bench.yaml `device_model`: eval.costmodel's Ladder fit)."""
-    with open(_BENCH_YAML) as f:
-        return dict(yaml.safe_load(f)["device_model"])
+    return OmegaConf.to_container(OmegaConf.load(_BENCH_YAML)["device_model"])
 
 
 def device_model(preset: str, **changes) -> DeviceModel:
