@@ -21,6 +21,7 @@ import parallel
 from eval.bench.settings import SIMULATED_DTYPE, device_model, predicted
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.kernels import FlashBackward, fla_intra
+from eval.simulator.replay import bandwidth_share
 from models.common.attention import make_causal_mask
 from parallel import comm
 from parallel.link import LINK_PRESETS, ClockRecorder
@@ -402,7 +403,8 @@ def sequence_parallel_predicted(cfg: dict) -> dict:
     """The `timed` rows of `sequence_parallel` with a device preset as `compute`: the trunk built on the meta
     device in bfloat16 (SIMULATED_DTYPE) and its inputs there, one forward + backward per (N, P, rank, method)
     recorded under `DeviceClock` (`sp_record`) and replayed on every link preset with the device model's op
-    times, plus its `contention` of every overlapped second of communication (as `eval.simulator.replay.Phase.replay`).
+    times, plus its contention of every overlapped second of communication (`contention` and `contention_bw` by the
+    share of the link time that is bandwidth-bound, as `eval.simulator.replay.Phase.replay`).
     Nothing is computed: one deterministic run per row (no warm-up, no repeats), any N and P (no max_chunk or
     max_attended), the `device_points` included."""
     sp, dtype, meta = cfg["sequence_parallel"], SIMULATED_DTYPE, torch.device("meta")
@@ -430,8 +432,10 @@ def _sp_timed_rows(cfg, method, n, p, rank_label, rank, runs, dtype, dm: DeviceM
     if dm is not None:
         (run,) = runs
         base.update(sp_compute_columns(run["clock"], run["fwd_ops"], run["times"], layers))
-    contention = 0.0 if dm is None else dm.contention
     for link in cfg["sequence_parallel"]["links"]:
+        # The contention of the run's overlapped link time, by the share of it that is bandwidth-bound on this link
+        # (`DeviceModel.contention_at`, as eval.simulator.replay.Phase.replay charges it).
+        contention = 0.0 if dm is None else dm.contention_at(bandwidth_share(runs[-1]["recorder"].calls, link))
         marks = [run["recorder"].replay(link, run.get("times")) for run in runs]
         for mark in (m for pair in marks for m in pair):
             # NCCL's kernels share the SMs and HBM with the compute they overlap (device model only).
