@@ -29,6 +29,18 @@ count exchange apart from its token all-to-alls). The clock holds one link for e
 dimension (`{"tp": "nvlink-h100", "ep": "ethernet-25g"}`). Dimensions given the same preset share
 one FIFO queue (they are taken to be the same hardware); different presets are independent links
 whose transfers run at the same time.
+
+A `HierarchicalLink` is the link of a group that spans nodes (NVLink inside a node of `ranks_per_node` GPUs,
+one network NIC per GPU between nodes; ranks numbered node by node). A group within one node is timed on
+the intra-node preset. A group across nodes, as NCCL times and runs it (src/graph/tuning.cc: with more than
+one node every ring step is charged the network's latency; rings run on parallel channels, each channel
+crossing a node boundary on its own NIC, so a node's NICs together carry the ring's bytes):
+    ring collectives: max(base) + steps alpha_net + steps/P * n / min(beta_nvlink, nics_per_node beta_nic)
+    send-recv:        base_net + alpha_net + n / beta_nic + p2p_launch_s
+                      (a ring shift: every rank sends at once, the slowest hop is a node boundary's, one NIC)
+    all-to-all:       max(base) + (P-1) alpha_net + off-node bytes / beta_nic  (each GPU's own NIC)
+`p2p_launch_s` is the host's cost of one point-to-point hop issued and waited in turn (a send/recv pair
+launched, then waited before the next is issued), charged on every send_recv, inside a node too.
 """
 
 import time
@@ -42,6 +54,26 @@ class LinkPreset:
     beta_Bps: float  # bandwidth per direction, bytes per second
     note: str = ""
     base_s: float = 0.0  # fixed latency of one collective, seconds
+
+
+@dataclass(frozen=True)
+class HierarchicalLink:
+    """NVLink inside a node, a network between nodes (module docstring)."""
+
+    name: str
+    intra: LinkPreset  # inside a node (NVLink via NVSwitch)
+    inter: LinkPreset  # one GPU's network NIC (alpha per hop, beta per direction, base per collective)
+    ranks_per_node: int = 8
+    nics_per_node: int = 8  # network NICs a node's rings share out (one per GPU on a DGX A100)
+    p2p_launch_s: float = 0.0  # host cost of one send/recv hop issued and waited in turn
+    note: str = ""
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1 or self.nics_per_node < 1 or self.p2p_launch_s < 0:
+            raise ValueError(f"{self.name}: ranks_per_node and nics_per_node must be >= 1, p2p_launch_s >= 0.")
+
+    def spans_nodes(self, world_size: int) -> bool:
+        return world_size > self.ranks_per_node
 
 
 LINK_PRESETS: dict[str, LinkPreset] = {
@@ -72,33 +104,66 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     "p2p-off": LinkPreset(
         "p2p-off", 10e-6, 25e9, "NCCL P2P disabled: staged through host memory over PCIe Gen5 (assumed)"
     ),
+    # One GPU's HDR InfiniBand NIC (DGX A100 datasheet: 8 single-port ConnectX-6 200 Gb/s HDR per node, one per
+    # GPU). Bandwidth 90% of the 25 GB/s line rate (assumed, as ethernet-25g); latencies NCCL's own model of the
+    # network (NVIDIA/nccl src/graph/tuning.cc: hwLat[NET][Ring][Simple] = 14 us per hop, baseLat Ring Simple 8.4 us).
+    "ib-hdr-200g": LinkPreset(
+        "ib-hdr-200g", 14e-6, 25e9 * 0.9, "one GPU's 200 Gb/s HDR InfiniBand NIC, 90% line rate; NCCL's latencies",
+        base_s=8.4e-6,
+    ),
 }
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-def collective_time(kind: str, nbytes: int, world_size: int, link: LinkPreset) -> float:
+def collective_time(kind: str, nbytes: int, world_size: int, link: "LinkPreset | HierarchicalLink") -> float:
     """Seconds for one collective of `nbytes` on a `world_size`-way ring over `link`."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"Unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}.")
     p = world_size
     if p <= 1:
         return 0.0
+    if isinstance(link, HierarchicalLink):
+        return _hierarchical_time(kind, nbytes, p, link)
     if kind == "send_recv":  # one hop; sending and receiving overlap (full duplex)
         return link.base_s + link.alpha_s + nbytes / link.beta_Bps
     steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
     return link.base_s + steps * link.alpha_s + steps / p * nbytes / link.beta_Bps
 
 
-def all_to_all_time(sent_bytes: int, received_bytes: int, world_size: int, link: LinkPreset) -> float:
+def _hierarchical_time(kind: str, nbytes: int, p: int, link: HierarchicalLink) -> float:
+    """`collective_time` on a `HierarchicalLink` (module docstring), p > 1."""
+    intra, inter = link.intra, link.inter
+    if kind == "send_recv":
+        hop = inter if link.spans_nodes(p) else intra
+        return hop.base_s + hop.alpha_s + nbytes / hop.beta_Bps + link.p2p_launch_s
+    if not link.spans_nodes(p):
+        return collective_time(kind, nbytes, p, intra)
+    base = max(intra.base_s, inter.base_s)
+    if kind == "all_to_all":  # equal splits: the bytes for other nodes leave through this GPU's own NIC
+        off_node = (p - link.ranks_per_node) / p * nbytes
+        return base + (p - 1) * inter.alpha_s + off_node / inter.beta_Bps
+    steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+    beta = min(intra.beta_Bps, link.nics_per_node * inter.beta_Bps)  # the slower of NVLink and a node's NICs
+    return base + steps * inter.alpha_s + steps / p * nbytes / beta
+
+
+def all_to_all_time(
+    sent_bytes: int, received_bytes: int, world_size: int, link: "LinkPreset | HierarchicalLink"
+) -> float:
     """Seconds for one rank's part of an all-to-all with unequal splits (bytes to / from OTHER ranks)."""
     if world_size <= 1:
         return 0.0
+    if isinstance(link, HierarchicalLink):  # timed as if every peer were off-node (an upper bound)
+        if not link.spans_nodes(world_size):
+            return all_to_all_time(sent_bytes, received_bytes, world_size, link.intra)
+        base = max(link.intra.base_s, link.inter.base_s)
+        return base + (world_size - 1) * link.inter.alpha_s + max(sent_bytes, received_bytes) / link.inter.beta_Bps
     return link.base_s + (world_size - 1) * link.alpha_s + max(sent_bytes, received_bytes) / link.beta_Bps
 
 
-def get_link(name_or_preset: "str | LinkPreset") -> LinkPreset:
-    if isinstance(name_or_preset, LinkPreset):
+def get_link(name_or_preset: "str | LinkPreset | HierarchicalLink") -> "LinkPreset | HierarchicalLink":
+    if isinstance(name_or_preset, (LinkPreset, HierarchicalLink)):
         return name_or_preset
     if name_or_preset not in LINK_PRESETS:
         raise ValueError(f"Unknown link preset {name_or_preset!r}; choose one of {sorted(LINK_PRESETS)}.")
