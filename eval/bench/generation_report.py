@@ -178,6 +178,7 @@ def device_model_note(cfg: dict) -> str:
         f"of the model's own forward (built on the meta device in bfloat16, rank 0's shards) is charged to {compute}'s "
         f"roofline, max(FLOPs / (peak x {dm.get('eff_flops')}), bytes / (HBM x {dm.get('eff_hbm')})) + "
         f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused), contention {dm.get('contention')} "
+        f"(latency-bound link time) to {dm.get('contention_bw', dm.get('contention'))} (bandwidth-bound) "
         "(eval.costmodel's constants, settings `device_model`), and the link model's collectives are placed where "
         "forward() issues and waits them. Prefill is one recorded forward; a decode step is one recorded step with "
         f"the cache filled to the middle of the generation ({cache}), times the decode steps. Nothing is timed on "
@@ -263,7 +264,8 @@ def generation_intro(results: dict, points: str) -> list[str]:
         how = (
             f"compute predicted for {d['name']} by the device model ({d['peak_flops'] / 1e12:.0f} TFLOP/s, "
             f"{d['hbm_Bps'] / 1e12:.2f} TB/s HBM; eff_flops {compute['eff_flops']}, eff_hbm {compute['eff_hbm']}, "
-            f"{compute['kernel_overhead_us']:.3g} us per kernel, contention {compute['contention']}), dtype "
+            f"{compute['kernel_overhead_us']:.3g} us per kernel, contention {compute['contention']} to "
+            f"{compute.get('contention_bw', compute['contention'])} bandwidth-bound), dtype "
             f"{compute['dtype']}, {'static' if compute['static_cache'] else 'growing'} KV cache: one deterministic "
             "prediction per row."
         )

@@ -79,6 +79,7 @@ def compute_info(cfg: dict) -> dict:
         "eff_hbm": dm.eff_hbm,
         "kernel_overhead_us": dm.kernel_overhead_s * 1e6,
         "contention": dm.contention,
+        "contention_bw": dm.contention if dm.contention_bw is None else dm.contention_bw,
         "dtype": str(SIMULATED_DTYPE).removeprefix("torch."),
         "static_cache": bool(cfg.get("static_cache", True)),
     }  # fmt: skip

@@ -92,8 +92,9 @@ def sp_device_model_text(compute: dict) -> str:
         f"{d['peak_flops'] / 1e12:.0f} TFLOP/s, {d['hbm_Bps'] / 1e12:.2f} TB/s HBM; every aten op of the forward and "
         f"the backward of the trunk, built on the meta device in {compute['dtype']}, charged max(FLOPs / (peak x "
         f"{compute['eff_flops']}), bytes / (HBM x {compute['eff_hbm']})) + {compute['kernel_overhead_us']:.3g} us per "
-        f"kernel, elementwise ops fused; contention {compute['contention']} of every overlapped second of "
-        "communication added; nothing timed on this machine"
+        f"kernel, elementwise ops fused; contention {compute['contention']} (latency-bound) to "
+        f"{compute.get('contention_bw', compute['contention'])} (bandwidth-bound link time) of every overlapped second "
+        "of communication added; nothing timed on this machine"
     )
 
 
