@@ -18,6 +18,24 @@ step. A `capacity_factor` (not an option here) would drop tokens and break the e
 `python -m train.convert converter=llama_to_moe source=DIR num_local_experts=4 moe_layer_freq=2`.
 Sources: an HF `LlamaForCausalLM` directory or a zoo `llama` checkpoint (not a Ladder one: its layers
 compute a different function, which the upcycled model would not reproduce).
+
+`MIXTRAL_TO_MOE` (`converter=mixtral_to_moe`) reads a trained Mixtral checkpoint (an HF
+`MixtralForCausalLM` directory, or a hub id through the same `from_pretrained`) into the zoo's `moe`: not an
+upcycling, a renaming. Mixtral is the zoo's `moe` with every layer an MoE layer (moe_layer_freq=1), softmax
+top-k routing renormalised, dropless, no biases. transformers' own loader reads the weights, so both layouts
+load: the hub's per-expert `block_sparse_moe.experts.N.w1 / w2 / w3` + `block_sparse_moe.gate` (what
+`save_pretrained` writes, transformers 5 included) and transformers 5's in-memory fused layout
+(`mlp.experts.gate_up_proj` [E, 2f, d], gate rows first, `mlp.experts.down_proj`, `mlp.gate`; on disk with
+`save_pretrained(save_original_format=False)`). Renamed: `mlp.gate.weight` -> `mlp.router.gate.weight`,
+`gate_up_proj` split into the zoo's `experts.gate_proj` / `experts.up_proj` (down_proj as is); everything else
+keeps its name. Carried over: the shapes, rope_parameters (theta, llama3 scaling), rms_norm_eps, the special
+tokens, tie_word_embeddings, num_local_experts / num_experts_per_tok, router_aux_loss_coef (0.001 unless the
+option says otherwise) and the checkpoint's dtype. Refused with one clear error each (the zoo would compute
+something else): a sliding window, router jitter noise, attention dropout, an activation other than SiLU, a
+RoPE type the zoo lacks, a quantized checkpoint, and any MixtralConfig field this converter does not know
+(a newer transformers' feature). Both routers score in fp32 (the zoo's on fp32 inputs, Mixtral's on fp64
+logits rounded to fp32), so in float64 the logits agree to ~1e-7 relative, not to fp64 rounding
+(`tests/test_mixtral.py`: within 1e-6, same experts for every token, same greedy generation).
 """
 
 import re
@@ -25,12 +43,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedConfig
 
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.configuration import ZooMoeConfig
 from models.moe.modeling import ZooMoeForCausalLM
-from models.registry import Converter
+from models.registry import Converter, register_converter
 
 UPCYCLABLE = ("llama", "zoo_llama")
 # The converter's options (train.convert reads them from its config; None there: the target config's
@@ -138,3 +157,196 @@ LLAMA_TO_MOE = Converter(
     check=check_llama_to_moe,
     summary=summary,
 )
+
+
+# --- Mixtral -> moe: a renaming (module docstring) ---------------------------------------------------------
+
+MIXTRAL_TYPES = ("mixtral",)
+# Options: the balance loss's weight when retraining (default: the checkpoint's, Mixtral's 0.001).
+MIXTRAL_OPTIONS = ("router_aux_loss_coef",)
+# MixtralConfig fields and what becomes of each. Carried: the same name means the same in ZooMoeConfig.
+MIXTRAL_CARRIED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+)
+# Checked (`mixtral_refusals`): carried only at the value the zoo computes. Ignored: an output switch, not
+# part of the function (the zoo's model returns its balance loss in training mode on its own).
+MIXTRAL_CHECKED = ("hidden_act", "sliding_window", "router_jitter_noise", "attention_dropout")
+MIXTRAL_IGNORED = ("output_router_logits",)
+# config.json keys of older transformers that MixtralConfig reads into its own fields.
+MIXTRAL_LEGACY_KEYS = ("rope_theta", "rope_scaling", "torch_dtype")
+ZOO_ROPE_TYPES = ("default", "llama3")  # models/common/rotary.py
+FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.gate_up_proj")
+MIXTRAL_ROUTER = re.compile(r"(model\.layers\.\d+\.mlp)\.gate\.weight")
+
+
+def mixtral_refusals(config: MixtralConfig, raw: dict) -> list[str]:
+    """What of this Mixtral config the zoo's moe cannot compute, one sentence each (empty: it converts).
+    `raw`: the config.json as read, for keys MixtralConfig does not declare (a quantization_config, ...)."""
+    out = []
+    unknown_fields = sorted(
+        set(MixtralConfig.__annotations__) - {*MIXTRAL_CARRIED, *MIXTRAL_CHECKED, *MIXTRAL_IGNORED}
+    )
+    if unknown_fields:
+        out.append(
+            f"this transformers' MixtralConfig has fields {unknown_fields} that mixtral_to_moe does not know, so it "
+            "cannot tell whether the zoo computes them (models/moe/convert.py MIXTRAL_CARRIED lists what it maps)"
+        )
+    known_keys = {*MixtralConfig().to_dict(), *MIXTRAL_LEGACY_KEYS}
+    stray = sorted(set(raw) - known_keys)
+    if stray:
+        out.append(
+            f"config.json has {stray}, which MixtralConfig does not declare (a quantized or otherwise modified "
+            "checkpoint?); the zoo reads plain Mixtral weights: dequantize, or drop the keys if they do not "
+            "change the model"
+        )
+    if config.hidden_act != "silu":
+        out.append(f"hidden_act={config.hidden_act!r}: the zoo's experts are SwiGLU with SiLU only")
+    if config.sliding_window is not None:
+        out.append(
+            f"sliding_window={config.sliding_window}: the zoo's attention has no sliding window (every token "
+            "attends to every earlier one), which differs from Mixtral's for sequences longer than the window; "
+            "Mixtral-8x7B's own config has sliding_window null. Set it to null in config.json only if no "
+            "sequence you run is longer than the window"
+        )
+    if config.router_jitter_noise:
+        out.append(
+            f"router_jitter_noise={config.router_jitter_noise}: the zoo's router has no jitter (Mixtral multiplies "
+            "the MoE input by uniform noise in training); set it to 0.0 in config.json to convert without it"
+        )
+    if config.attention_dropout:
+        out.append(
+            f"attention_dropout={config.attention_dropout}: the zoo's attention has no dropout; set it to 0.0 in "
+            "config.json to convert without it"
+        )
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in ZOO_ROPE_TYPES:
+        out.append(f"rope_type={rope_type!r}: the zoo's RoPE is one of {ZOO_ROPE_TYPES}")
+    return out
+
+
+def mixtral_source_config(source: str | Path) -> tuple[MixtralConfig, dict]:
+    """The checkpoint's MixtralConfig and its config.json as a dict, refused unless it is a Mixtral."""
+    raw, _ = PreTrainedConfig.get_config_dict(str(source))
+    if raw.get("model_type") not in MIXTRAL_TYPES:
+        raise ValueError(
+            f"{source} has model_type={raw.get('model_type')!r}, not a Mixtral ({MIXTRAL_TYPES}); "
+            "converter=mixtral_to_moe reads MixtralForCausalLM checkpoints (llama_to_moe upcycles a Llama)."
+        )
+    return MixtralConfig.from_pretrained(str(source)), raw
+
+
+def moe_config_from_mixtral(config: MixtralConfig, raw: dict | None = None, source="the checkpoint", **options):
+    """The ZooMoeConfig that computes what `config`'s MixtralForCausalLM computes (module docstring);
+    `options`: `MIXTRAL_OPTIONS` (None: the checkpoint's value). One clear error naming what does not fit."""
+    refusals = mixtral_refusals(config, raw if raw is not None else config.to_dict())
+    if refusals:
+        raise ValueError(f"{source} cannot be converted to the zoo's moe exactly: " + "; ".join(refusals) + ".")
+    fields = {name: getattr(config, name) for name in MIXTRAL_CARRIED}
+    fields["head_dim"] = config.head_dim or config.hidden_size // config.num_attention_heads
+    fields.update({k: v for k, v in options.items() if v is not None})
+    widths_fit = config.hidden_size % 8 == 0 and config.intermediate_size % 8 == 0
+    fields.update(
+        moe_layer_freq=1,  # Mixtral: every layer an MoE layer
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        capacity_factor=None,  # dropless, as Mixtral
+        router_score_func="softmax",
+        router_balance_bias=False,
+        # Same function either way; grouped_mm is faster but needs widths that are multiples of 8.
+        experts_impl="grouped_mm" if widths_fit else "loop",
+    )
+    dtype = getattr(config, "dtype", None)
+    try:
+        moe = ZooMoeConfig(**fields)
+    except ValueError as error:
+        raise ValueError(f"{source} does not fit the zoo's moe: {error}") from error
+    if dtype is not None:
+        moe.dtype = dtype
+    return moe
+
+
+def mixtral_state_to_moe(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MixtralForCausalLM's state dict (transformers 5's fused names) in the zoo moe's names. Consumes
+    `state` (each tensor popped as it is mapped, so a large model is not held twice)."""
+    out = {}
+    for name in list(state):
+        value = state.pop(name)
+        if match := FUSED_EXPERTS.fullmatch(name):
+            # [E, 2f, d], gate rows first (MixtralExperts: linear(x, gate_up_proj[e]).chunk(2) -> gate, up).
+            gate, up = value.chunk(2, dim=1)
+            out[f"{match[1]}.gate_proj"], out[f"{match[1]}.up_proj"] = gate.contiguous(), up.contiguous()
+        elif match := MIXTRAL_ROUTER.fullmatch(name):
+            out[f"{match[1]}.router.gate.weight"] = value
+        else:
+            out[name] = value
+    return out
+
+
+def check_mixtral_to_moe(source: str | Path, **options) -> None:
+    """Every check of the conversion from the checkpoint's config.json alone: nothing is loaded."""
+    config, raw = mixtral_source_config(source)
+    moe_config_from_mixtral(config, raw, source, **options)
+
+
+def mixtral_to_moe(source: str | Path, dtype: torch.dtype | str = "auto", **options) -> ZooMoeForCausalLM:
+    """A Mixtral checkpoint (directory or hub id) as the zoo's `moe`, same function (module docstring).
+    `dtype`: "auto" keeps the checkpoint's; `options`: `MIXTRAL_OPTIONS`."""
+    config, raw = mixtral_source_config(source)
+    moe_config = moe_config_from_mixtral(config, raw, source, **options)
+    # transformers' loader reads either layout (and sharded files, and the hub) into its fused names.
+    hf, info = MixtralForCausalLM.from_pretrained(str(source), dtype=dtype, output_loading_info=True)
+    incomplete = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if incomplete:
+        raise ValueError(f"{source} is not a complete Mixtral checkpoint: {incomplete}; save or download it again.")
+    dtype = hf.dtype
+    state = mixtral_state_to_moe(dict(hf.state_dict()))
+    del hf
+    moe_config.dtype = dtype
+    # The zoo's loader: every weight of the model must come from `state` and every tensor of `state` find
+    # a place, else one error naming them (models/common/causal_lm.py).
+    return ZooMoeForCausalLM.from_pretrained(None, config=moe_config, state_dict=state, dtype=dtype)
+
+
+def mixtral_summary(model: ZooMoeForCausalLM) -> dict:
+    c = model.config
+    return {
+        "num_local_experts": c.num_local_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "num_hidden_layers": c.num_hidden_layers,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
+    }
+
+
+MIXTRAL_TO_MOE = Converter(
+    name="mixtral_to_moe",
+    source="mixtral",
+    source_types=MIXTRAL_TYPES,
+    source_title="Mixtral",
+    target="moe",
+    target_title="MoE",
+    convert=mixtral_to_moe,
+    options=MIXTRAL_OPTIONS,
+    check=check_mixtral_to_moe,
+    summary=mixtral_summary,
+)
+# Registered here (models/__init__.py imports this module for LLAMA_TO_MOE), beside its definition.
+register_converter(MIXTRAL_TO_MOE)

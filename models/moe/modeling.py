@@ -10,9 +10,21 @@ it: the vanilla schedule that ScMoE hides. In training mode every MoE layer adds
 the model reports their mean, times `router_aux_loss_coef`, as `aux_losses["load_balance"]`, which the LM
 head adds to the loss.
 
-Names follow HF Llama / Mixtral: dense layers `model.layers.N.mlp.{gate,up,down}_proj`, MoE layers
-`model.layers.N.mlp.router.gate` (the router linear) and `model.layers.N.mlp.experts.{gate,up,down}_proj`
-(stacked, [E, ...], expert e's slice shaped like the dense layer's weight).
+Names: attention, norms, embeddings, LM head and dense layers (`model.layers.N.mlp.{gate,up,down}_proj`)
+are HF Llama's (and Mixtral's). The MoE tensors are the zoo's own, NOT Mixtral's:
+`model.layers.N.mlp.router.gate.weight` (the router linear; Mixtral: `mlp.gate.weight`, on the hub
+`block_sparse_moe.gate.weight`) and `model.layers.N.mlp.experts.{gate,up,down}_proj` (stacked, [E, ...],
+expert e's slice shaped like a dense layer's weight, so a Llama MLP copies in; transformers 5's Mixtral fuses
+gate and up into `experts.gate_up_proj` [E, 2f, d], the hub's files keep `experts.N.w1 / w3 / w2`). So a
+Mixtral checkpoint does not load by name: `models.moe.convert.mixtral_to_moe(dir)` (or `train.convert
+converter=mixtral_to_moe`) renames it, exactly, and `models.stock_export.export_stock` writes a zoo moe back
+as a MixtralForCausalLM checkpoint.
+
+`from_pretrained` refuses a Mixtral checkpoint on every path, pointing to the converter. With
+`ignore_mismatched_sizes=True` (transformers' own loading: what fits is loaded, the rest initialised) it also
+refuses when router or expert tensors would be left random, naming them, unless the caller says so with
+`allow_random_experts=True` (a checkpoint of another architecture loaded on purpose, say): random experts
+change the model's output entirely and are never what a renamed checkpoint should give.
 """
 
 import math
@@ -21,6 +33,7 @@ import torch
 from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
+from models.common.causal_lm import _checkpoint_model_type
 from models.common.moe import MoeDispatchMixin, SparseMoE, init_moe_weights
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
@@ -67,6 +80,35 @@ class ZooMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
     config_class = ZooMoeConfig
     config: ZooMoeConfig
     _no_split_modules = ["MoeDecoderLayer"]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_random_experts: bool = False, **kwargs):
+        """The zoo's `from_pretrained` (models/common/causal_lm.py), plus: a Mixtral checkpoint is refused
+        with the converter to use; with `ignore_mismatched_sizes=True`, router / expert tensors the checkpoint
+        lacks are refused by name unless `allow_random_experts=True` (module docstring)."""
+        path = pretrained_model_name_or_path
+        if _checkpoint_model_type(path, kwargs) == "mixtral":
+            raise ValueError(
+                f"Checkpoint {path} is a Mixtral (model_type='mixtral'), whose router and expert tensors have other "
+                "names and layouts than the zoo moe's, so it does not load by name (not even with "
+                "ignore_mismatched_sizes=True: its experts would stay random). Convert it exactly with "
+                f"models.moe.convert.mixtral_to_moe({str(path)!r}), or `python -m train.convert "
+                f"converter=mixtral_to_moe source={path}`."
+            )
+        if not kwargs.get("ignore_mismatched_sizes") or allow_random_experts:
+            return super().from_pretrained(path, *args, **kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
+        random_moe = sorted(k for k in info["missing_keys"] if ".mlp.router." in k or ".mlp.experts." in k)
+        if random_moe:
+            shown = ", ".join(random_moe[:6]) + (", ..." if len(random_moe) > 6 else "")
+            raise ValueError(
+                f"Checkpoint {path} lacks {len(random_moe)} router / expert tensors of {cls.__name__} ({shown}); "
+                "ignore_mismatched_sizes=True would leave them randomly initialised, so the model would not compute "
+                "the checkpoint's function. Load a zoo moe checkpoint, upcycle a Llama with "
+                "models.moe.convert.llama_to_moe, or pass allow_random_experts=True if random experts are intended."
+            )
+        return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

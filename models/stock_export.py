@@ -1,0 +1,211 @@
+"""Export zoo models to stock transformers classes: a checkpoint that loads in any stack that knows the class,
+with no zoo code and no trust_remote_code.
+
+    export_stock(model, out_dir, tokenizer=None)     # writes out_dir, returns it
+    to_stock(model)                                  # the stock model in memory
+    python -m train.convert converter=export_stock source=<zoo checkpoint dir>
+
+Where a stock class computes the zoo model's function:
+
+- zoo `llama` -> `LlamaForCausalLM`: the zoo llama IS transformers' Llama (its config a `LlamaConfig`, its
+  weights Llama's names), so the config is copied with Llama's model_type and the weights as they are.
+  `hidden_act` and `attention_dropout` are written as what the zoo computes (SiLU, no dropout): the zoo's
+  layers read neither field.
+- zoo `moe` -> `MixtralForCausalLM`, where the config is Mixtral's: every layer an MoE layer
+  (moe_layer_freq=1), softmax routing (router_score_func="softmax"), no balance bias
+  (router_balance_bias=False), dropless (capacity_factor=None, and no dispatch_capacity_factor), no attention
+  biases. Anything else is refused, naming the field. The router's `mlp.router.gate.weight` becomes
+  Mixtral's `mlp.gate.weight`, the experts' `gate_proj` / `up_proj` are concatenated into `gate_up_proj`
+  (gate rows first) and `down_proj` is copied; the class's own `save_pretrained` writes them in the hub's
+  layout (`block_sparse_moe.experts.N.w1 / w2 / w3`). `router_aux_loss_coef` is carried; Mixtral computes
+  only HF's balance loss (models/common/moe.py explains how it differs from the zoo's).
+- every other architecture is refused: `gqla` (at one group per head -> DeepseekV3) is not written yet;
+  Ladder, Kraken, the parallel block, linear attention, ScMoE and MoE++ compute functions no transformers
+  class computes (they load with the zoo's remote code: `models.checkpoint.save_checkpoint`).
+
+Exactness (tests/test_export_stock.py, float64): llama's logits equal the zoo's to fp64 rounding; Mixtral's
+to ~1e-7 relative, because both routers score in fp32 (Mixtral rounds its fp64 logits, the zoo its fp64
+inputs), the same experts chosen; greedy generation identical.
+"""
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
+
+from models.registry import Converter, register_converter
+
+# config.json keys that describe the zoo file, not the model: not carried into the stock config.
+NOT_CARRIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+# The zoo moe's config fields that are implementation choices (same function either way): not carried.
+MOE_IMPLEMENTATION = ("experts_impl", "moe_dispatch")
+# Zoo moe field -> the value Mixtral computes; any other value is refused.
+MIXTRAL_REQUIRES = {
+    "moe_layer_freq": 1,
+    "router_score_func": "softmax",
+    "router_balance_bias": False,
+    "capacity_factor": None,
+    "dispatch_capacity_factor": None,
+    "attention_bias": False,
+}
+ZOO_MOE_FIELDS = (
+    *MIXTRAL_REQUIRES,
+    *MOE_IMPLEMENTATION,
+    "num_local_experts",
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+    "mlp_bias",  # of the dense MLPs: none when every layer is an MoE layer
+)
+NOT_YET = {
+    "zoo_gqla": "gqla -> DeepseekV3ForCausalLM (at one group per head) is not written yet (issue 20, item 3)",
+}
+STOCK_CLASSES = {"zoo_llama": "LlamaForCausalLM", "zoo_moe": "MixtralForCausalLM"}
+
+
+def _fields(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in NOT_CARRIED}
+
+
+def _refuse_other(model_type: str) -> None:
+    if model_type in STOCK_CLASSES:
+        return
+    why = NOT_YET.get(
+        model_type,
+        f"{model_type} computes a function no transformers class computes; save it with "
+        "models.checkpoint.save_checkpoint, which writes its code beside the weights (trust_remote_code=True)",
+    )
+    raise ValueError(
+        f"export_stock writes {', '.join(f'{k} -> {v}' for k, v in STOCK_CLASSES.items())}; a {model_type} model "
+        f"cannot be exported: {why}."
+    )
+
+
+def llama_config(config) -> LlamaConfig:
+    fields = _fields(config)
+    fields.update(hidden_act="silu", attention_dropout=0.0)  # what the zoo computes (module docstring)
+    return LlamaConfig(**fields)
+
+
+def mixtral_config(config) -> MixtralConfig:
+    """The MixtralConfig of a zoo moe config, refused (naming the field) where Mixtral computes otherwise."""
+    wrong = {k: getattr(config, k) for k, v in MIXTRAL_REQUIRES.items() if getattr(config, k) != v}
+    if wrong:
+        given = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        needed = ", ".join(f"{k}={MIXTRAL_REQUIRES[k]!r}" for k in wrong)
+        raise ValueError(
+            f"This moe has {given}, which MixtralForCausalLM cannot compute (it needs {needed}: every layer an "
+            "MoE layer, softmax routing, no balance bias, dropless, no attention bias); it cannot be exported to "
+            "a stock class: save it with models.checkpoint.save_checkpoint (remote code) instead."
+        )
+    # The Llama fields Mixtral shares (the zoo moe's others are checked above or implementation choices).
+    mixtral_keys = set(MixtralConfig().to_dict())
+    fields = {k: v for k, v in _fields(config).items() if k in mixtral_keys and k not in ZOO_MOE_FIELDS}
+    fields.update(
+        hidden_act="silu",
+        attention_dropout=0.0,
+        sliding_window=None,  # the zoo attends to every earlier token
+        router_jitter_noise=0.0,
+        num_local_experts=config.num_local_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+    )
+    return MixtralConfig(**fields)
+
+
+def moe_state_to_mixtral(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The zoo moe's state dict in transformers 5's Mixtral names (module docstring)."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith(".mlp.router.gate.weight"):
+            out[name.replace(".mlp.router.gate.", ".mlp.gate.")] = value
+        elif name.endswith(".mlp.experts.gate_proj"):
+            up = state[name.removesuffix("gate_proj") + "up_proj"]
+            out[name.removesuffix("gate_proj") + "gate_up_proj"] = torch.cat([value, up], dim=1)
+        elif name.endswith(".mlp.experts.up_proj"):
+            continue  # in gate_up_proj
+        else:
+            out[name] = value
+    return out
+
+
+def to_stock(model: PreTrainedModel) -> PreTrainedModel:
+    """The stock transformers model computing what the zoo `model` computes (module docstring), in its dtype."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise TypeError(f"export_stock takes a zoo ...ForCausalLM model, not {type(model).__name__}.")
+    _refuse_other(model_type)
+    if not hasattr(model, "lm_head"):
+        raise TypeError(f"export_stock takes a zoo ...ForCausalLM (with its LM head), not {type(model).__name__}.")
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if model_type == "zoo_llama":
+        stock_class, stock_config = LlamaForCausalLM, llama_config(config)
+    else:
+        stock_class, stock_config = MixtralForCausalLM, mixtral_config(config)
+        state = moe_state_to_mixtral(state)
+    stock_config.dtype = model.dtype
+    # Generation settings (eos, pad, ...) as the zoo model's.
+    stock, info = stock_class.from_pretrained(
+        None, config=stock_config, state_dict=state, dtype=model.dtype, output_loading_info=True
+    )
+    incomplete = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if incomplete:  # a mapping bug: never leave stock weights random
+        raise RuntimeError(f"Exporting {model_type} to {stock_class.__name__} left weights unmapped: {incomplete}.")
+    if getattr(model, "generation_config", None) is not None:
+        stock.generation_config = model.generation_config
+    return stock.to(model.device)
+
+
+def export_stock(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> Path:
+    """Write `model` (zoo llama or moe) as a stock-class checkpoint to `out_dir` (and `tokenizer` beside it):
+    it loads with `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers. Returns `out_dir`."""
+    out_dir = Path(out_dir)
+    stock = to_stock(model)
+    stock.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# --- train.convert: converter=export_stock ---------------------------------------------------------------
+
+# Every zoo checkpoint type: the converter's own check gives the clear refusal for those it cannot export.
+ZOO_TYPES = (
+    "zoo_llama",
+    "zoo_moe",
+    "zoo_gqla",
+    "zoo_ladder",
+    "zoo_kraken",
+    "zoo_parallel",
+    "zoo_linear",
+    "zoo_scmoe",
+    "zoo_moepp",
+)
+
+
+def check_export_stock(source: str | Path) -> None:
+    from transformers import PreTrainedConfig
+
+    raw, _ = PreTrainedConfig.get_config_dict(str(source))
+    _refuse_other(raw.get("model_type"))
+
+
+def export_stock_converter(source: str | Path) -> PreTrainedModel:
+    """The zoo checkpoint at `source` as its stock-class model (train.convert saves it)."""
+    from transformers import AutoModelForCausalLM
+
+    return to_stock(AutoModelForCausalLM.from_pretrained(str(source), dtype="auto"))
+
+
+EXPORT_STOCK = Converter(
+    name="export_stock",
+    source="zoo",
+    source_types=ZOO_TYPES,
+    source_title="zoo llama / moe",
+    target="stock",
+    target_title="stock transformers class",
+    convert=export_stock_converter,
+    check=check_export_stock,
+    summary=lambda model: {"class": type(model).__name__},
+)
+register_converter(EXPORT_STOCK)
