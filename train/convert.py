@@ -11,6 +11,11 @@
   fresh router (options `num_local_experts`, `num_experts_per_tok`, and `moe_layer_freq` / `shortcut_position`,
   `router_aux_loss_coef`; unset ones take the target config's default). See models/moe/convert.py and
   models/scmoe/convert.py;
+- `mixtral_to_moe`: a Mixtral checkpoint renamed into the zoo's `moe`, the same function (models/moe/convert.py;
+  option `router_aux_loss_coef`);
+- `export_stock`: a zoo `llama` / `moe` checkpoint written as a stock transformers class (LlamaForCausalLM /
+  MixtralForCausalLM, models/stock_export.py), saved with the class's own `save_pretrained` (no remote code)
+  into <run dir>/stock; no retraining (the zoo's trainer trains zoo models);
 - `llama_to_gqla`: TransGQLA (models/gqla/convert.py), calibrated on the first `calibration_batches`
   training batches of the bundled corpus (`calibration_batches`, handed to a converter whose `calibration`
   is set: models/ reads no data of its own).
@@ -33,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
 import models
-from models.checkpoint import save_checkpoint
+import models.stock_export  # noqa: F401  (registers converter=export_stock until models/__init__.py imports it)
+from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.registry import Converter
 from train.data import LMDataModule, load_tokenizer
 from train.metrics import evaluate_loss
@@ -131,6 +137,11 @@ def convert(cfg: DictConfig) -> dict:
     out = run_dir / converter.target
     options = converter_options(cfg, converter)
     check_source(source, converter, options)
+    if cfg.retrain.enabled and converter.target not in models.ZOO:
+        raise ValueError(
+            f"retrain.enabled=true: converter={converter.name} writes a {converter.target_title} checkpoint, which the "
+            "zoo's trainer does not train; set retrain.enabled=false (or retrain the zoo model before exporting)."
+        )
     tokenizer_source = str(source) if has_tokenizer(source) else cfg.data.tokenizer
     tokenizer = load_tokenizer(tokenizer_source)
 
@@ -141,7 +152,12 @@ def convert(cfg: DictConfig) -> dict:
         converted = converter.convert(source, batches, **options)
     else:
         converted = converter.convert(source, **options)
-    save_checkpoint(converted, tokenizer, out)
+    if converter.target in models.ZOO:
+        save_checkpoint(converted, tokenizer, out)
+    else:  # a stock transformers class: its own files, no remote code
+        apply_special_tokens(converted, tokenizer)
+        converted.save_pretrained(out)
+        tokenizer.save_pretrained(out)
     details = converter.summary(converted)
     result = {
         "converter": converter.name,
