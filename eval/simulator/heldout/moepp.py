@@ -176,7 +176,6 @@ def validate(quick: bool = False) -> dict:
                         f"{DEVICE}; MoE++ at its balance-loss load k_eff = {k_eff(config):.3f} FFN experts per token",
             })  # fmt: skip
     headline = [c for c in cells if c["label"].endswith(f"tau={TAU:g}")]
-    published = [c["published"] for c in headline]
     sensitivity = []
     for load in TRAINED_LOADS:
         values = [speedup(sizes[c["label"].split()[0]], TAU, tokens, device, load) for c in headline]
@@ -194,7 +193,8 @@ def validate(quick: bool = False) -> dict:
     sensitivity.append({"effect": "device: A100 40GB (HBM 1.555 TB/s) instead of 80GB", "value": "a100-40gb",
                         "predicted": geomean(values)})  # fmt: skip
     predicted = geomean(c["predicted"] for c in headline)
-    pub = geomean(published) if all(p is not None for p in published) else None
+    # The paper's headline whatever was run (quick: the tiny shapes' cells have no published number of their own).
+    pub = geomean(PUBLISHED[(name, TAU)] for name in SIZES)
     misses = [c for c in cells if c["published"] and abs(c["predicted"] / c["published"] - 1) > TARGET]
     return {
         "paper": "MoE++ (Jin, Zhu, Yuan, Yan, ICLR 2025)",
