@@ -18,7 +18,8 @@ Where a stock class computes the zoo model's function:
   Mixtral's `mlp.gate.weight`, the experts' `gate_proj` / `up_proj` are concatenated into `gate_up_proj`
   (gate rows first) and `down_proj` is copied; the class's own `save_pretrained` writes them in the hub's
   layout (`block_sparse_moe.experts.N.w1 / w2 / w3`). `router_aux_loss_coef` is carried; Mixtral computes
-  only HF's balance loss (models/common/moe.py explains how it differs from the zoo's).
+  only HF's balance loss (router_aux_loss_style="hf"; models/common/moe.py explains how it differs from the
+  zoo's), which changes training only, not the function.
 - every other architecture is refused: `gqla` (at one group per head -> DeepseekV3) is not written yet;
   Ladder, Kraken, the parallel block, linear attention, ScMoE and MoE++ compute functions no transformers
   class computes (they load with the zoo's remote code: `models.checkpoint.save_checkpoint`).
@@ -54,6 +55,7 @@ ZOO_MOE_FIELDS = (
     "num_local_experts",
     "num_experts_per_tok",
     "router_aux_loss_coef",
+    "router_aux_loss_style",  # Mixtral computes transformers' balance loss ("hf") whatever the zoo used
     "mlp_bias",  # of the dense MLPs: none when every layer is an MoE layer
 )
 NOT_YET = {

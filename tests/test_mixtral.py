@@ -224,3 +224,62 @@ def test_train_convert_mixtral_to_moe(tmp_path):
     ids = IDS % len(tokenizer)
     with torch.no_grad():
         assert relative_gap(zoo(ids).logits, hf(ids).logits) < 1e-5
+
+
+# --- the balance loss: the zoo's convention and transformers' ("hf") ------------------------------------
+
+
+def routed(logits: torch.Tensor, k: int):
+    probs = logits.softmax(-1)
+    return probs, probs.topk(k, dim=-1).indices.flatten()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_style_equals_transformers_load_balancing_loss_func(padded):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from models.common.moe import balance_statistics, hf_load_balance_loss
+
+    gen = torch.Generator().manual_seed(0)
+    layers, batch, seq, experts, k = 3, 2, 10, 4, 2
+    logits = [torch.randn(batch * seq, experts, generator=gen) for _ in range(layers)]
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        mask[1, 6:] = 0
+    stats = [balance_statistics(*routed(lg, k), experts, mask if padded else None) for lg in logits]
+    ours = hf_load_balance_loss(stats, experts)
+    theirs = load_balancing_loss_func(tuple(logits), experts, k, mask if padded else None)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    # and the zoo's per-layer convention is transformers' one-layer value / k (counts per assignment)
+    from models.common.moe import load_balance_loss
+
+    zoo = load_balance_loss(*routed(logits[0], k), experts)
+    torch.testing.assert_close(k * zoo, load_balancing_loss_func((logits[0],), experts, k), rtol=1e-6, atol=0)
+
+
+def test_converted_mixtral_trains_with_mixtrals_balance_loss(mixtral):
+    """The converted model's training loss adds what MixtralForCausalLM adds: router_aux_loss_coef times
+    transformers' loss over the real tokens (padding left out), pooled over the layers."""
+    hf, dirs = mixtral
+    zoo = mixtral_to_moe(dirs["hub"]).train()
+    assert zoo.config.router_aux_loss_style == "hf"
+    mask = torch.ones_like(IDS)
+    mask[1, 30:] = 0  # right padding: the real tokens' routing is the same with or without it
+    out = zoo(IDS, attention_mask=mask, labels=IDS)
+    with torch.no_grad():
+        reference = hf(IDS, attention_mask=mask, output_router_logits=True).aux_loss
+    coef = hf.config.router_aux_loss_coef
+    torch.testing.assert_close(out.aux_losses["load_balance"].detach(), coef * reference.float(), rtol=1e-5, atol=0)
+    # the padding matters: without the mask the loss is another number
+    unmasked = zoo(IDS, labels=IDS).aux_losses["load_balance"].detach()
+    assert not torch.allclose(unmasked, out.aux_losses["load_balance"].detach(), rtol=1e-4, atol=0)
+    # gradients reach the routers through it
+    out.aux_losses["load_balance"].backward()
+    assert all(m.gate.weight.grad is not None and m.gate.weight.grad.abs().sum() > 0
+               for m in zoo.modules() if isinstance(m, TopKRouter))
+
+
+def test_zoo_style_stays_the_default_and_bad_style_refused():
+    assert models.build_config("moe", **models.TINY_LLAMA).router_aux_loss_style == "zoo"
+    with pytest.raises(ValueError, match="router_aux_loss_style='HF' must be one of"):
+        models.build_config("moe", **models.TINY_LLAMA, router_aux_loss_style="HF")

@@ -19,6 +19,18 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
   of expert i, eta = `weights` (default 1). 1 when perfectly balanced. With `group` (ep) the counts and
   probability sums are summed over the ranks first, so every ep rank gets the loss of the concatenated
   batch (see `_sum_over_ranks` for its gradient).
+- Balance-loss conventions (`AUX_LOSS_STYLES`; beside the formulas below). "zoo" (the default of every MoE
+  architecture): per MoE layer E * sum_i f_i P_i with f_i the fraction of the T k ASSIGNMENTS (so f sums to
+  1 and a balanced router gives 1), every token counted (padding included), the mean over MoE layers,
+  times router_aux_loss_coef (0.01, as Switch / MoE++). "hf" (`router_aux_loss_style="hf"` in the moe
+  config): transformers' `load_balancing_loss_func` (Mixtral, Qwen-MoE, ...): f_i counted PER TOKEN (f sums
+  to k: balanced gives k, so per layer it is k times the zoo's), the layers POOLED (counts and probability
+  sums added over the layers, each divided by the total token count, then one product: not the mean of the
+  per-layer products), padding left out (attention_mask), times router_aux_loss_coef (Mixtral's default
+  0.001; transformers adds it only with output_router_logits=True). `balance_statistics` gives a layer's
+  (counts, probability sums, tokens) and `hf_load_balance_loss` pools them. Both count the experts the
+  router actually chose (with a balance bias those differ from the top-k of the probabilities, which is what
+  transformers' function recomputes; without one they are the same).
 - `GroupedExperts(num_experts, hidden_size, intermediate_size, impl="grouped_mm")`: E SwiGLU experts as
   stacked weights laid out as nn.Linear weights, expert e's `gate_proj[e]` / `up_proj[e]` [f, d] and
   `down_proj[e]` [d, f] (so a dense MLP's weights copy in unchanged: upcycling). `forward(x_sorted [N, d],
@@ -113,6 +125,7 @@ from parallel import comm
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("grouped_mm", "loop")
 MOE_DISPATCHES = ("dropless", "padded")
+AUX_LOSS_STYLES = ("zoo", "hf")  # the balance loss's conventions (module docstring)
 # grouped_mm reads rows whose byte length is a multiple of 16: 8 values at 2 bytes (bf16 / fp16), which
 # also covers fp32's 4. A model's widths must fit every dtype it may be cast to.
 WIDTH_MULTIPLE = 8
@@ -342,6 +355,31 @@ def load_balance_loss(
     p = prob_sums / tokens
     eta = torch.ones_like(f) if weights is None else weights.to(f)
     return num_experts * (eta * f * p).sum()
+
+
+def balance_statistics(
+    probs: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
+    """One MoE layer's share of transformers' pooled balance loss: [counts (E), probability sums (E), tokens]
+    over the tokens where `token_mask` [T] is true (all by default), summed over the ranks of `group`.
+    `expert_idx` [T * k] token-major, as the router gives it."""
+    num_tokens = probs.shape[0]
+    keep = torch.ones(num_tokens, dtype=probs.dtype, device=probs.device)
+    if token_mask is not None:
+        keep = token_mask.reshape(num_tokens).to(probs.dtype)
+    per_assignment = keep.repeat_interleave(expert_idx.numel() // max(num_tokens, 1))
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).index_add_(0, expert_idx, per_assignment)
+    # counts and tokens carry no gradient, the probability sums do (as load_balance_loss).
+    stats = torch.cat([counts, (probs * keep[:, None]).sum(0), keep.sum()[None]])
+    return _sum_over_ranks(stats, group)
+
+
+def hf_load_balance_loss(layer_statistics: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` from each MoE layer's `balance_statistics`: E * sum_i
+    (sum_l counts_li / N) (sum_l probs_li / N), N = sum_l tokens_l (module docstring, "hf")."""
+    total = torch.stack(layer_statistics).sum(0)
+    counts, prob_sums, tokens = total[:num_experts], total[num_experts : 2 * num_experts], total[-1].clamp(min=1)
+    return num_experts * ((counts / tokens) * (prob_sums / tokens)).sum()
 
 
 # --- experts -----------------------------------------------------------------------------------------
@@ -714,8 +752,12 @@ class SparseMoE(nn.Module):
         impl: str = "grouped_mm",
         moe_dispatch: str = "dropless",
         dispatch_capacity_factor: float | None = None,
+        aux_loss_style: str = "zoo",
     ):
         super().__init__()
+        if aux_loss_style not in AUX_LOSS_STYLES:
+            raise ValueError(f"router_aux_loss_style={aux_loss_style!r} must be one of {AUX_LOSS_STYLES}.")
+        self.aux_loss_style = aux_loss_style
         self.router = TopKRouter(hidden_size, num_experts, top_k, score_func, renormalize, balance_bias)
         self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, impl)
         self.num_experts, self.top_k = num_experts, top_k
@@ -752,11 +794,21 @@ class SparseMoE(nn.Module):
             return None
         return load_balance_loss(routing.probs, routing.expert_idx, self.num_experts, group=self.ep_group)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`token_mask` [B, T] (1: a token, 0: padding) is read by the "hf" balance loss only: its aux is
+        {"balance_statistics": ...} (unweighted), which the model pools over its layers."""
         shape = x.shape
         pending, routing = self.dispatch(x.reshape(-1, shape[-1]))  # all-to-all issued
         pending.compute()  # waits the dispatch; local experts; combine issued
         y = pending.combine()  # waits the combine
+        if self.aux_loss_style == "hf":
+            aux = {}
+            if self.training and self.aux_loss_coef > 0:
+                stats = balance_statistics(routing.probs, routing.expert_idx, self.num_experts, token_mask, self.ep_group)
+                aux = {"balance_statistics": stats}
+            return y.view(shape), aux
         balance = self.balance_loss(routing)
         aux = {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
         return y.view(shape), aux

@@ -6,6 +6,10 @@
   Mixtral; 2: every other layer, as GShard / Switch and ScMoE's pairs); the others keep the dense MLP.
 - `router_aux_loss_coef`: weight of the load-balance loss E * sum_i f_i P_i, averaged over the MoE layers
   (1 when balanced). 0.01 as Switch Transformer and MoE++ (HF Mixtral defaults to 0.001).
+- `router_aux_loss_style`: "zoo" (default: the formula above, per layer, averaged over the MoE layers, every
+  token counted) or "hf": transformers' `load_balancing_loss_func` as MixtralForCausalLM computes it (pooled
+  over the MoE layers, counted per token, padding left out), to compare with HF-trained runs;
+  models/common/moe.py states both conventions. `mixtral_to_moe` sets "hf" and Mixtral's coefficient.
 - `capacity_factor`: None = dropless (default); a number caps the tokens each rank sends to one expert at
   k * ceil(capacity_factor * tokens / E) (models/common/moe.py).
 - `router_score_func` ("softmax" | "sigmoid") and `router_balance_bias` (DeepSeek-V3's auxiliary-loss-free
@@ -16,7 +20,7 @@
   padded for decode under CUDA graphs / torch.compile, `model.set_moe_dispatch` switches at run time).
 """
 
-from models.common.moe import SCORE_FUNCS
+from models.common.moe import AUX_LOSS_STYLES, SCORE_FUNCS
 from models.common.moe_config import MoeConfigMixin
 from models.llama.configuration import ZooLlamaConfig
 
@@ -28,6 +32,7 @@ class ZooMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     num_experts_per_tok: int = 2
     moe_layer_freq: int = 1
     router_aux_loss_coef: float = 0.01
+    router_aux_loss_style: str = "zoo"
     capacity_factor: float | None = None
     router_score_func: str = "softmax"
     router_balance_bias: bool = False
@@ -44,6 +49,12 @@ class ZooMoeConfig(MoeConfigMixin, ZooLlamaConfig):
             raise ValueError(
                 f"moe_layer_freq={freq!r} must be an integer in 1..num_hidden_layers={layers} (every how many "
                 "layers one is an MoE layer; larger leaves the model without any)."
+            )
+        if self.router_aux_loss_style not in AUX_LOSS_STYLES:
+            raise ValueError(
+                f"router_aux_loss_style={self.router_aux_loss_style!r} must be one of {AUX_LOSS_STYLES}: 'zoo' (per "
+                "layer, averaged, every token) or 'hf' (transformers' load_balancing_loss_func: pooled over layers, "
+                "per token, padding excluded)."
             )
         if self.router_score_func not in SCORE_FUNCS:
             raise ValueError(f"router_score_func={self.router_score_func!r} must be one of {SCORE_FUNCS}.")

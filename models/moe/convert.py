@@ -30,7 +30,8 @@ load: the hub's per-expert `block_sparse_moe.experts.N.w1 / w2 / w3` + `block_sp
 `gate_up_proj` split into the zoo's `experts.gate_proj` / `experts.up_proj` (down_proj as is); everything else
 keeps its name. Carried over: the shapes, rope_parameters (theta, llama3 scaling), rms_norm_eps, the special
 tokens, tie_word_embeddings, num_local_experts / num_experts_per_tok, router_aux_loss_coef (0.001 unless the
-option says otherwise) and the checkpoint's dtype. Refused with one clear error each (the zoo would compute
+option says otherwise) with router_aux_loss_style="hf" (transformers' balance loss, which Mixtral was trained
+with; option `router_aux_loss_style=zoo` for the zoo's) and the checkpoint's dtype. Refused with one clear error each (the zoo would compute
 something else): a sliding window, router jitter noise, attention dropout, an activation other than SiLU, a
 RoPE type the zoo lacks, a quantized checkpoint, and any MixtralConfig field this converter does not know
 (a newer transformers' feature). Both routers score in fp32 (the zoo's on fp32 inputs, Mixtral's on fp64
@@ -162,8 +163,9 @@ LLAMA_TO_MOE = Converter(
 # --- Mixtral -> moe: a renaming (module docstring) ---------------------------------------------------------
 
 MIXTRAL_TYPES = ("mixtral",)
-# Options: the balance loss's weight when retraining (default: the checkpoint's, Mixtral's 0.001).
-MIXTRAL_OPTIONS = ("router_aux_loss_coef",)
+# Options: the balance loss's weight when retraining (default: the checkpoint's, Mixtral's 0.001) and its
+# convention (default "hf": the loss the checkpoint was trained with; "zoo": the zoo's, models/common/moe.py).
+MIXTRAL_OPTIONS = ("router_aux_loss_coef", "router_aux_loss_style")
 # MixtralConfig fields and what becomes of each. Carried: the same name means the same in ZooMoeConfig.
 MIXTRAL_CARRIED = (
     "vocab_size",
@@ -261,6 +263,7 @@ def moe_config_from_mixtral(config: MixtralConfig, raw: dict | None = None, sour
         raise ValueError(f"{source} cannot be converted to the zoo's moe exactly: " + "; ".join(refusals) + ".")
     fields = {name: getattr(config, name) for name in MIXTRAL_CARRIED}
     fields["head_dim"] = config.head_dim or config.hidden_size // config.num_attention_heads
+    fields["router_aux_loss_style"] = "hf"  # Mixtral's own balance loss, so retraining continues it
     fields.update({k: v for k, v in options.items() if v is not None})
     widths_fit = config.hidden_size % 8 == 0 and config.intermediate_size % 8 == 0
     fields.update(
@@ -333,6 +336,7 @@ def mixtral_summary(model: ZooMoeForCausalLM) -> dict:
         "num_experts_per_tok": c.num_experts_per_tok,
         "num_hidden_layers": c.num_hidden_layers,
         "router_aux_loss_coef": c.router_aux_loss_coef,
+        "router_aux_loss_style": c.router_aux_loss_style,
     }
 
 

@@ -8,7 +8,8 @@ a sparse block of routed SwiGLU experts.
 The MoE block (models/common/moe.py `SparseMoE`) waits each of its two all-to-alls right after issuing
 it: the vanilla schedule that ScMoE hides. In training mode every MoE layer adds its load-balance loss;
 the model reports their mean, times `router_aux_loss_coef`, as `aux_losses["load_balance"]`, which the LM
-head adds to the loss.
+head adds to the loss. With `router_aux_loss_style="hf"` it is transformers' loss instead (pooled over the
+MoE layers, per token, the padding of `attention_mask` left out; models/common/moe.py).
 
 Names: attention, norms, embeddings, LM head and dense layers (`model.layers.N.mlp.{gate,up,down}_proj`)
 are HF Llama's (and Mixtral's). The MoE tensors are the zoo's own, NOT Mixtral's:
@@ -34,7 +35,7 @@ from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.causal_lm import _checkpoint_model_type
-from models.common.moe import MoeDispatchMixin, SparseMoE, init_moe_weights
+from models.common.moe import MoeDispatchMixin, SparseMoE, hf_load_balance_loss, init_moe_weights
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
 from parallel import comm
@@ -62,7 +63,9 @@ class MoeDecoderLayer(PreNormDecoderLayer):
                 impl=config.experts_impl,
                 moe_dispatch=config.moe_dispatch,
                 dispatch_capacity_factor=config.dispatch_capacity_factor,
+                aux_loss_style=config.router_aux_loss_style,
             )
+        self.token_mask = None  # [B, T] padding mask of the current forward, for the "hf" balance loss
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
@@ -72,7 +75,7 @@ class MoeDecoderLayer(PreNormDecoderLayer):
             return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait(), {}
         # The experts are whole on every tp rank, so the output is complete: no all-reduce. The block
         # dispatches over ep and waits both all-to-alls inside (SparseMoE.forward).
-        moe_out, aux = self.mlp(self.post_attention_layernorm(hidden_states))
+        moe_out, aux = self.mlp(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
         return hidden_states + moe_out, aux
 
 
@@ -122,12 +125,32 @@ class ZooMoeModel(ZooMoePreTrainedModel, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
         return MoeDecoderLayer(config, layer_idx)
 
+    def forward(self, input_ids=None, attention_mask=None, *args, **kwargs):
+        if not (self.training and self.config.router_aux_loss_style == "hf"):
+            return super().forward(input_ids, attention_mask, *args, **kwargs)
+        # The "hf" balance loss leaves padding out: the layers read this forward's [B, T] mask (the trunk
+        # hands them only the 4-D attention mask). Its last T columns: the chunk's own tokens.
+        q_len = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[1]
+        mask = attention_mask[:, -q_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        for layer in self.layers:
+            layer.token_mask = mask
+        try:
+            return super().forward(input_ids, attention_mask, *args, **kwargs)
+        finally:
+            for layer in self.layers:
+                layer.token_mask = None
+
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
-        balance = []
+        balance, statistics = [], []
         for layer in self.layers:
             hidden_states, aux = layer(hidden_states, position_embeddings, attention_mask, cache)
             if "load_balance" in aux:
                 balance.append(aux["load_balance"])
+            if "balance_statistics" in aux:
+                statistics.append(aux["balance_statistics"])
+        if statistics:  # router_aux_loss_style="hf": one loss pooled over the MoE layers
+            loss = hf_load_balance_loss(statistics, self.config.num_local_experts)
+            return hidden_states, {"load_balance": self.config.router_aux_loss_coef * loss}
         if not balance:  # eval mode, or router_aux_loss_coef = 0
             return hidden_states
         return hidden_states, {"load_balance": torch.stack(balance).mean()}
