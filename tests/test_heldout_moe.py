@@ -85,8 +85,8 @@ def test_scmoe_all_to_all_bytes_and_link_time_by_hand():
     8 x 5760 x 384 x 2 bytes, ScMoE's top-1 half of that; on pcie4 one call costs 7 alpha + 7/8 x bytes / beta."""
     stage = next(s for s in scmoe.swin_stages() if s.name == "stage 3")
     tokens = 128 * 144
-    for arch, k in (("moe", 2), ("scmoe", 1)):
-        rec = scmoe.record_stage(stage, arch, scmoe.EP)
+    for variant, k in (("top2", 2), ("scmoe", 1)):
+        rec = scmoe.record_stage(stage, variant, scmoe.EP)
         a2a = rec.phase.counts["all_to_all"]
         assert a2a["calls"] == 2 * 9  # dispatch and combine of each of the 9 MoE blocks
         per_call = 8 * math.ceil(1.25 * tokens * k / 8) * 384 * 2
