@@ -43,8 +43,8 @@ SOURCE = (
     "size and tau), Section 4.1 (Megatron, 32 A100 GPUs), Appendix B.2 Table B (4M-token batches of 2048-token "
     "sequences, tensor parallel 1), footnote of the abstract (expert throughput = FFN + zero-computation experts), "
     "Figure 5 (FFN experts per token of the trained 7B model, tau 0.75); the paper's text as stored in the code "
-    "index, and its tables as published in SkyworkAI/MoE-plus-plus@7f439675dd015fa307a31443544f76fa3525ba92:"
-    "figures/fig9.png (Table 3) and README.md (Figure 5's reading: most nouns 1.5-1.7)"
+    "index (its ICLR 2025 version; arXiv version not identified), and its tables as published in "
+    "SkyworkAI/MoE-plus-plus@7f439675dd015fa307a31443544f76fa3525ba92:figures/fig9.png (Table 3) and README.md (Figure 5's reading: most nouns 1.5-1.7)"
 )
 
 # Table 2: (layers, hidden, intermediate, heads, N_FFN, zero/copy/constant experts); top-2 everywhere.
