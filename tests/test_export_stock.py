@@ -186,13 +186,16 @@ def test_train_convert_export_stock(tmp_path):
     tokenizer = load_tokenizer()
     zoo = tiny_zoo("moe", torch.float32, moe_layer_freq=1, vocab_size=len(tokenizer))
     save_checkpoint(zoo, tokenizer, tmp_path / "zoo")
-    overrides = ["converter=export_stock", f"source={tmp_path / 'zoo'}", "evaluate.enabled=false",
-                 f"paths.output_dir={tmp_path / 'run'}"]
+    overrides = ["converter=export_stock", f"source={tmp_path / 'zoo'}", "data.seq_len=32", "data.batch_size=4",
+                 "evaluate.max_batches=2", f"paths.output_dir={tmp_path / 'run'}"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         result = convert(compose("convert", overrides=overrides))
         with pytest.raises(ValueError, match="retrain.enabled=true: converter=export_stock"):
             convert(compose("convert", overrides=[*overrides, "retrain.enabled=true"]))
     assert result["class"] == "MixtralForCausalLM"
+    val = result["val"]
+    assert list(val) == ["zoo (source)", "stock, no retraining"]
+    assert val["stock, no retraining"]["loss"] == pytest.approx(val["zoo (source)"]["loss"], rel=1e-5)
     out = Path(result["stock_dir"])
     assert not list(out.glob("*.py")) and (out / "tokenizer.json").is_file()
     stock = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -46,6 +46,7 @@ CASES = {
                  rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
     "top1-tied-llama3": dict(
         num_local_experts=3, num_experts_per_tok=1, tie_word_embeddings=True, router_aux_loss_coef=0.02,
+        head_dim=24,  # not hidden_size / heads
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     ),
@@ -143,7 +144,8 @@ def test_settings_carried_over(mixtral):
     assert c.router_aux_loss_coef == source.router_aux_loss_coef
     assert c.tie_word_embeddings == source.tie_word_embeddings
     assert c.moe_layer_freq == 1 and c.capacity_factor is None and c.router_score_func == "softmax"
-    assert c.head_dim == SHAPES["hidden_size"] // SHAPES["num_attention_heads"]
+    assert c.head_dim == (source.head_dim or SHAPES["hidden_size"] // SHAPES["num_attention_heads"])
+    assert c.router_aux_loss_style == "hf"
     # the option overrides the checkpoint's coefficient; fp32 files convert in fp32
     assert mixtral_to_moe(dirs["hub"], router_aux_loss_coef=0.05).config.router_aux_loss_coef == 0.05
 
@@ -213,13 +215,17 @@ def test_train_convert_mixtral_to_moe(tmp_path):
     tokenizer = load_tokenizer()
     hf = tiny_mixtral(torch.float32, num_local_experts=4, vocab_size=len(tokenizer))
     hf.save_pretrained(tmp_path / "mixtral")
-    overrides = ["converter=mixtral_to_moe", f"source={tmp_path / 'mixtral'}", "evaluate.enabled=false",
-                 f"paths.output_dir={tmp_path / 'run'}"]
+    overrides = ["converter=mixtral_to_moe", f"source={tmp_path / 'mixtral'}", "data.seq_len=32",
+                 "data.batch_size=4", "evaluate.max_batches=2", f"paths.output_dir={tmp_path / 'run'}"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         result = convert(compose("convert", overrides=overrides))
         with pytest.raises(ValueError, match="num_local_experts=4: not an option of converter=mixtral_to_moe"):
             convert(compose("convert", overrides=[*overrides, "num_local_experts=4"]))
     assert result["title"] == "Mixtral -> MoE" and result["num_local_experts"] == 4
+    # the conversion costs nothing on the bundled corpus: the same validation loss
+    val = result["val"]
+    assert list(val) == ["mixtral (source)", "moe, no retraining"]
+    assert val["moe, no retraining"]["loss"] == pytest.approx(val["mixtral (source)"]["loss"], rel=1e-5)
     zoo = ZooMoeForCausalLM.from_pretrained(result["moe_dir"]).eval()
     ids = IDS % len(tokenizer)
     with torch.no_grad():
