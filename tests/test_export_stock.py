@@ -31,14 +31,14 @@ from train.data import load_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_RTOL = 1e-6
 IDS = torch.randint(0, models.TINY_LLAMA["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CASES = {
     "llama": ("llama", {}),
     "llama-tied-llama3": ("llama", {
-        "tie_word_embeddings": True, "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        "tie_word_embeddings": True, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_parameters": LLAMA3_ROPE,
     }),
-    "moe-top2": ("moe", {"moe_layer_freq": 1, "router_aux_loss_coef": 0.02}),
+    "moe-top2-llama3": ("moe", {"moe_layer_freq": 1, "router_aux_loss_coef": 0.02, "rope_parameters": LLAMA3_ROPE}),
     "moe-top1-tied": ("moe", {"moe_layer_freq": 1, "num_experts_per_tok": 1, "tie_word_embeddings": True,
                               "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}}),
 }
@@ -78,7 +78,15 @@ def test_loads_as_the_stock_class_without_remote_code(exported):
     config = json.loads((out / "config.json").read_text())
     assert "auto_map" not in config and config["model_type"] == {"llama": "llama", "moe": "mixtral"}[arch]
     assert not list(out.glob("*.py"))
-    assert type(load_stock(out, arch)) is STOCK[arch]
+    stock = load_stock(out, arch)
+    assert type(stock) is STOCK[arch]
+    zoo_config = exported[1].config
+    for name in ("rope_parameters", "rms_norm_eps", "tie_word_embeddings", "head_dim", "num_key_value_heads"):
+        assert getattr(stock.config, name) == getattr(zoo_config, name), name
+    if arch == "moe":
+        for name in ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"):
+            assert getattr(stock.config, name) == getattr(zoo_config, name), name
+        assert stock.config.sliding_window is None and stock.config.router_jitter_noise == 0
 
 
 def test_weights_arrive_bit_for_bit(exported):
