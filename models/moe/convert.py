@@ -34,9 +34,10 @@ option says otherwise) with router_aux_loss_style="hf" (transformers' balance lo
 with; option `router_aux_loss_style=zoo` for the zoo's) and the checkpoint's dtype. Refused with one clear error each (the zoo would compute
 something else): a sliding window, router jitter noise, attention dropout, an activation other than SiLU, a
 RoPE type the zoo lacks, a quantized checkpoint, and any MixtralConfig field this converter does not know
-(a newer transformers' feature). Both routers score in fp32 (the zoo's on fp32 inputs, Mixtral's on fp64
-logits rounded to fp32), so in float64 the logits agree to ~1e-7 relative, not to fp64 rounding
-(`tests/test_mixtral.py`: within 1e-6, same experts for every token, same greedy generation).
+(a newer transformers' feature). In float64 the logits agree to ~1e-7 relative, not to fp64 rounding:
+Mixtral's RMSNorm casts to fp32 whatever the dtype, its RoPE table is fp32 arithmetic, and both routers score
+in fp32 (the zoo's on fp32 inputs, Mixtral's on fp64 logits rounded to fp32) (`tests/test_mixtral.py`:
+within 1e-6, same experts for every token, same greedy generation).
 """
 
 import re
