@@ -3,8 +3,8 @@ MixtralForCausalLM (tiny random models, nothing downloaded):
 
 - both layouts on disk are read: the hub's per-expert `block_sparse_moe.experts.N.w1/w2/w3` (what
   `save_pretrained` writes) and transformers 5's fused `mlp.experts.gate_up_proj` (save_original_format=False);
-- converted == Mixtral in float64: logits within 1e-6 relative (both routers score in fp32, so not fp64
-  rounding), the same experts chosen for every token in every layer, identical greedy generation;
+- converted == Mixtral in float64: logits within 1e-6 relative (Mixtral's RMSNorm and RoPE table are fp32 and both routers
+  score in fp32, so not fp64 rounding), the same experts chosen for every token in every layer, identical greedy generation;
 - rope theta / llama3 scaling, norm eps, router settings, tied embeddings and dtype carried over;
 - each feature the zoo cannot compute is refused by name (sliding window, jitter, dropout, activation, RoPE
   type, quantization), a non-Mixtral checkpoint too; the zoo's from_pretrained refuses a Mixtral checkpoint
@@ -29,7 +29,7 @@ from train.convert import convert
 from train.data import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-RTOL = 1e-6  # relative to the largest logit: both routers score in fp32 (models/moe/convert.py)
+RTOL = 1e-6  # relative to the largest logit: Mixtral's fp32 norm / RoPE table, fp32 routers (models/moe/convert.py)
 SHAPES = dict(
     vocab_size=256,
     hidden_size=64,
