@@ -21,6 +21,11 @@ the latent-attention fields, in DeepSeek MLA's names.
   and the output; `gqa` caches each group's K_g = [W_UK^(g) c ; k_r] and V_g = W_UV^(g) c and runs
   standard grouped attention (the one that shards over TP). Switch a loaded model with
   `model.set_attn_path(...)`; `model.expand_cache(cache)` turns an absorb cache into gqa form.
+- `q_lora_rank` (d_q, default None): DeepSeek-V2 / V3's query low-rank path, q = q_b_proj(RMSNorm(q_a_proj x))
+  with q_a_proj d -> d_q and q_b_proj d_q -> H (d_nope + d_r) (the norm is `q_a_layernorm`, always there, as
+  in DeepSeek). None: one full-rank `q_proj`, as DeepSeek-V2-Lite. It changes the query only, so both decode
+  paths and their caches are the same; TP over groups is laid out for `q_proj` only (sharding.py refuses
+  q_lora_rank at TP > 1).
 - `kv_a_layernorm` (default False): an RMSNorm on the latent c, as DeepSeek MLA has. Off by default: a
   latent converted from a GQA checkpoint (TransGQLA) is exact only without it, since the norm would rescale
   each token's keys and values.
@@ -55,6 +60,7 @@ class ZooGQLAConfig(ZooLlamaConfig):
     v_head_dim: int | None = None
     attn_path: str = "absorb"
     kv_a_layernorm: bool = False
+    q_lora_rank: int | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
@@ -94,6 +100,11 @@ class ZooGQLAConfig(ZooLlamaConfig):
             )
         if not _positive_int(d_v):
             raise ValueError(f"v_head_dim={d_v!r} must be a positive integer.")
+        if self.q_lora_rank is not None and not _positive_int(self.q_lora_rank):
+            raise ValueError(
+                f"q_lora_rank={self.q_lora_rank!r} must be a positive integer (the width of the query latent, "
+                "DeepSeek-V2 / V3's q_a_proj) or null (one full-rank q_proj)."
+            )
         if not isinstance(self.kv_a_layernorm, bool):
             raise ValueError(f"kv_a_layernorm={self.kv_a_layernorm!r} must be true or false.")
         d_c, full = self.kv_lora_rank, self.full_rank
@@ -135,7 +146,8 @@ class ZooGQLAConfig(ZooLlamaConfig):
     def num_parameters_formula(self) -> int:
         """Parameter count from the shapes alone (the shared harness checks the model against it).
 
-        Per layer the attention has q_proj (d -> H (d_nope + d_r)), kv_a_proj = W_DKV (d -> d_c),
+        Per layer the attention has q_proj (d -> H (d_nope + d_r)) or, with q_lora_rank d_q, q_a_proj
+        (d -> d_q), q_a_layernorm (d_q) and q_b_proj (d_q -> H (d_nope + d_r)), kv_a_proj = W_DKV (d -> d_c),
         k_rope_proj = W_KR (d -> d_r), k_up [n_g, d_nope, d_c], v_up [n_g, d_v, d_c], o_proj (H d_v -> d)
         and, if asked, kv_a_layernorm (d_c); it replaces Llama's q, k, v, o.
         """
@@ -147,10 +159,12 @@ class ZooGQLAConfig(ZooLlamaConfig):
             self.v_head_dim,
         )
         llama_attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        attn = d * h * (d_nope + d_r) + d * d_c + d * d_r + kv * (d_nope + d_v) * d_c + h * d_v * d
+        d_q = self.q_lora_rank
+        query = d * h * (d_nope + d_r) if d_q is None else d * d_q + d_q + d_q * h * (d_nope + d_r)
+        attn = query + d * d_c + d * d_r + kv * (d_nope + d_v) * d_c + h * d_v * d
         if self.attention_bias:
             llama_attn += h * hd + 2 * kv * hd + d
-            attn += h * (d_nope + d_r) + d_c + d_r + d
+            attn += h * (d_nope + d_r) + d_c + d_r + d + (0 if d_q is None else d_q)
         if self.kv_a_layernorm:
             attn += d_c
         return super().num_parameters_formula() + self.num_hidden_layers * (attn - llama_attn)

@@ -6,6 +6,7 @@ Per layer, in DeepSeek MLA's notation (H query heads, n_g groups, head h in grou
     c    = W_DKV x                      kv_a_proj, d -> d_c   (optionally RMSNorm'd: kv_a_layernorm)
     k_r  = RoPE(W_KR x)                 k_rope_proj, d -> d_r: ONE RoPE key, shared by every head
     q_h  = [q_h^nope ; RoPE(q_h^r)]     q_proj, d -> H (d_nope + d_r), each head's row block [nope ; rope]
+                                        (with q_lora_rank d_q: q_b_proj(RMSNorm(q_a_proj x)), DeepSeek's)
     W_UK^(g) [d_nope, d_c], W_UV^(g) [d_v, d_c]     k_up [n_g, d_nope, d_c], v_up [n_g, d_v, d_c]
     out  = o_proj(concat_h o_h)         o_proj, H d_v -> d
 
@@ -131,9 +132,17 @@ class GroupQueryLatentAttention(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.softmax_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(
-            d, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=bias
-        )
+        q_width = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        # DeepSeek-V2 / V3's query low-rank path (q_lora_rank) or one full-rank q_proj (V2-Lite, Llama-like);
+        # the absent modules are None, as in transformers' DeepseekV3Attention.
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, q_width, bias=bias)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_width, bias=bias)
         self.kv_a_proj = nn.Linear(d, self.kv_lora_rank, bias=bias)
         self.kv_a_layernorm = (
             RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.kv_a_layernorm else None
@@ -146,7 +155,11 @@ class GroupQueryLatentAttention(nn.Module):
 
     def forward(self, x, position_embeddings, attention_mask=None, cache=None):
         bsz, q_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, q_len, self.num_heads, -1).transpose(1, 2)
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(bsz, q_len, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c = self.kv_a_proj(x)
         if self.kv_a_layernorm is not None:

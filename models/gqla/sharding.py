@@ -41,6 +41,11 @@ def check_layout(config, degrees: dict[str, int]) -> None:
             "head, so each rank would hold all of it; run TP on the gqa path (attn_path='gqa', or "
             "model.set_attn_path('gqa') before parallelize)."
         )
+    if tp > 1 and config.q_lora_rank is not None:
+        raise ValueError(
+            f"q_lora_rank={config.q_lora_rank} (DeepSeek's query low-rank path) has no TP layout yet (tp={tp}): "
+            "the plan shards q_proj by heads; run it at tp=1, or use q_lora_rank=null (one q_proj)."
+        )
     check_divisible(
         {"num_kv_groups": config.num_kv_groups, "intermediate_size": config.intermediate_size}, tp, "tp"
     )

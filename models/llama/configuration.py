@@ -3,9 +3,70 @@
 It is transformers' `LlamaConfig` with its own `model_type`, so every Llama field means what it means
 in Hugging Face and an HF Llama `config.json` loads into it unchanged. Our own checks run on top of
 transformers' (which, in 5.x, do not validate head counts).
+
+Every zoo config derives from `ZooLlamaConfig`, and every one refuses a field it does not know
+(`check_fields`): transformers keeps an unknown keyword as a plain attribute that nothing reads, so a typo
+(`num_local_expert=4`) or a field of another architecture (DeepSeek's `q_lora_rank` on a model that has no
+query low-rank path) would otherwise train or load a different model without a word. Known: the fields of
+the class and its bases (its dataclass fields and `attribute_map` aliases), and the keys transformers itself
+reads or drops in `PreTrainedConfig.__post_init__` / `from_dict` (`torch_dtype`, legacy `rope_theta` /
+`rope_scaling`, generation settings, ...) or that older config.json files carry (`STANDARD_FIELDS`).
 """
 
-from transformers import LlamaConfig
+import dataclasses
+import difflib
+
+from transformers import GenerationConfig, LlamaConfig
+
+# Keys a config.json or a caller may pass that are not dataclass fields of PreTrainedConfig but that
+# transformers handles (reads, renames or drops) itself, or that config.json files written by transformers 4
+# carry (its PretrainedConfig.__init__ took them): they still load.
+STANDARD_FIELDS = frozenset(
+    {
+        # read or dropped by PreTrainedConfig.__post_init__ / from_dict in transformers 5
+        "torch_dtype", "num_labels", "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
+        "attn_implementation", "experts_implementation", "per_layer_config", "_attn_implementation_internal",
+        "_experts_implementation_internal", "_attn_implementation_autoset", "model_type", "transformers_version",
+        "rope_theta", "rope_scaling", "partial_rotary_factor",
+        # written into config.json by save_pretrained / register_for_auto_class / quantizers
+        "auto_map", "architectures", "custom_pipelines", "quantization_config",
+        # transformers 4's PretrainedConfig.__init__ arguments (old checkpoints carry them)
+        "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "tie_word_embeddings", "is_decoder",
+        "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "finetuning_task",
+        "tokenizer_class", "prefix", "bos_token_id", "pad_token_id", "eos_token_id", "sep_token_id",
+        "decoder_start_token_id", "task_specific_params", "chunk_size_feed_forward", "output_hidden_states",
+        "return_dict", "id2label", "label2id", "problem_type", "dtype", "is_encoder_decoder",
+    }
+)
+
+
+def known_fields(config_class) -> set[str]:
+    """The field names `config_class(...)` / its config.json may carry: the dataclass fields of the class
+    and its bases, their `attribute_map` aliases, transformers' standard keys and generation settings."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    aliases = set()
+    for klass in config_class.__mro__:
+        aliases |= set(getattr(klass, "attribute_map", {}) or {})
+    generation = set(GenerationConfig._get_default_generation_params())
+    return fields | aliases | generation | STANDARD_FIELDS
+
+
+def check_fields(config_class, names) -> None:
+    """One clear error naming each of `names` that `config_class` does not know, with the nearest known one."""
+    known = known_fields(config_class)
+    unknown = sorted(n for n in names if n not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        hints.append(f"{name!r} (did you mean {near[0]!r}?)" if near else f"{name!r}")
+    plural = "s" if len(unknown) > 1 else ""
+    raise ValueError(
+        f"{config_class.__name__} ({config_class.model_type}) has no field{plural} {', '.join(hints)}: transformers "
+        "would keep it as an attribute that nothing reads, so the model would silently differ from the one asked "
+        "for. Fix the name, or drop it (its fields: the annotations of this class and of its bases)."
+    )
 
 
 def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int) -> None:
@@ -28,6 +89,8 @@ class ZooLlamaConfig(LlamaConfig):
     model_type = "zoo_llama"
 
     def __post_init__(self, **kwargs):
+        # `kwargs` are the keywords that are not dataclass fields: the place where an unknown one shows.
+        check_fields(type(self), kwargs)
         super().__post_init__(**kwargs)
         # A config read from another architecture's config.json (an HF Llama, say) keeps that file's
         # model_type as an instance attribute; saved as is, it would reload as the other architecture.
