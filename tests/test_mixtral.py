@@ -126,6 +126,28 @@ def test_converted_equals_mixtral(mixtral, layout):
         assert torch.equal(a, b), f"layer {layer} routes differently"
 
 
+def test_gap_is_mixtrals_fp32_steps_not_the_conversion(mixtral):
+    """With Mixtral's RMSNorm and RoPE table made fp64 (a test-only patch of a copy), what is left is the two
+    fp32 routers' rounding: within 1e-7."""
+    import copy
+    import types
+
+    hf, dirs = mixtral
+    zoo = mixtral_to_moe(dirs["hub"]).eval()
+    patched = copy.deepcopy(hf)
+
+    def fp64_rms_norm(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for module in patched.modules():
+        if type(module).__name__ == "MixtralRMSNorm":
+            module.forward = types.MethodType(fp64_rms_norm, module)
+    patched.model.rotary_emb.inv_freq.copy_(zoo.model.rotary_emb.inv_freq)
+    with torch.no_grad():
+        gap = relative_gap(zoo(IDS).logits, patched(IDS).logits)
+    assert gap < 1e-7, gap
+
+
 def test_greedy_generation_identical(mixtral):
     hf, dirs = mixtral
     zoo = mixtral_to_moe(dirs["hub"]).eval()
