@@ -311,3 +311,17 @@ def test_zoo_style_stays_the_default_and_bad_style_refused():
     assert models.build_config("moe", **models.TINY_LLAMA).router_aux_loss_style == "zoo"
     with pytest.raises(ValueError, match="router_aux_loss_style='HF' must be one of"):
         models.build_config("moe", **models.TINY_LLAMA, router_aux_loss_style="HF")
+
+
+def test_sharded_bf16_checkpoint(tmp_path):
+    """A checkpoint in several files (as the hub's Mixtral-8x7B, 19 of them) and in bf16 (its dtype): read whole,
+    kept in bf16."""
+    hf = tiny_mixtral(torch.bfloat16, num_local_experts=4)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    zoo = mixtral_to_moe(tmp_path).eval()
+    assert zoo.dtype == torch.bfloat16 and zoo.config.experts_impl == "grouped_mm"
+    for name, value in zoo.state_dict().items():
+        if name.endswith("experts.gate_proj"):
+            gate_up = hf.state_dict()[name.replace("gate_proj", "gate_up_proj")]
+            assert torch.equal(value, gate_up[:, : value.shape[1]])
