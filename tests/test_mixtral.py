@@ -325,3 +325,19 @@ def test_sharded_bf16_checkpoint(tmp_path):
         if name.endswith("experts.gate_proj"):
             gate_up = hf.state_dict()[name.replace("gate_proj", "gate_up_proj")]
             assert torch.equal(value, gate_up[:, : value.shape[1]])
+
+
+def _hf_style_at_ep2(rank, world_size):
+    import parallel
+    from tests.test_ep import check_equivalence
+
+    mesh = parallel.init_mesh(ep=2)
+    # the whole check of tests/test_ep.py: logits, the balance loss (here pooled over layers and the ep ranks'
+    # tokens), the LM loss and every gradient == one process on the concatenated batch
+    check_equivalence(mesh, "moe", router_aux_loss_style="hf", router_aux_loss_coef=0.5)
+
+
+def test_hf_style_at_ep2_equals_one_process():
+    from tests.distributed import run_ranks
+
+    run_ranks(_hf_style_at_ep2, 2)
