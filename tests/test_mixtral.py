@@ -341,3 +341,21 @@ def test_hf_style_at_ep2_equals_one_process():
     from tests.distributed import run_ranks
 
     run_ranks(_hf_style_at_ep2, 2)
+
+
+def test_a_mixtral_field_the_converter_does_not_know_is_refused(tmp_path, monkeypatch):
+    """A field a newer transformers adds to MixtralConfig is refused until the converter maps it (here
+    simulated by forgetting head_dim)."""
+    import models.moe.convert as convert_module
+
+    monkeypatch.setattr(convert_module, "MIXTRAL_CARRIED", tuple(f for f in convert_module.MIXTRAL_CARRIED if f != "head_dim"))
+    MixtralConfig(**SHAPES).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"MixtralConfig has fields \['head_dim'\] that mixtral_to_moe does not know"):
+        check_mixtral_to_moe(tmp_path)
+
+
+def test_ignore_mismatched_sizes_still_loads_a_complete_moe(tmp_path):
+    model = models.build_model("moe", **models.TINY_LLAMA)
+    model.save_pretrained(tmp_path)
+    loaded = ZooMoeForCausalLM.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
