@@ -61,11 +61,12 @@ def check_fields(config_class, names) -> None:
     for name in unknown:
         near = difflib.get_close_matches(name, sorted(known), n=1)
         hints.append(f"{name!r} (did you mean {near[0]!r}?)" if near else f"{name!r}")
-    plural = "s" if len(unknown) > 1 else ""
+    one = len(unknown) == 1
     raise ValueError(
-        f"{config_class.__name__} ({config_class.model_type}) has no field{plural} {', '.join(hints)}: transformers "
-        "would keep it as an attribute that nothing reads, so the model would silently differ from the one asked "
-        "for. Fix the name, or drop it (its fields: the annotations of this class and of its bases)."
+        f"{config_class.__name__} ({config_class.model_type}) has no field{'' if one else 's'} {', '.join(hints)}: "
+        f"transformers would keep {'it as an attribute' if one else 'them as attributes'} that nothing reads, so "
+        f"the model would silently differ from the one asked for. Fix the name, or drop "
+        f"{'it' if one else 'them'} (the fields: the annotations of {config_class.__name__} and of its bases)."
     )
 
 
