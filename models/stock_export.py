@@ -20,8 +20,9 @@ Where a stock class computes the zoo model's function:
   layout (`block_sparse_moe.experts.N.w1 / w2 / w3`). `router_aux_loss_coef` is carried; Mixtral computes
   only HF's balance loss (router_aux_loss_style="hf"; models/common/moe.py explains how it differs from the
   zoo's), which changes training only, not the function.
-- every other architecture is refused: `gqla` (at one group per head -> DeepseekV3) is not written yet;
-  Ladder, Kraken, the parallel block, linear attention, ScMoE and MoE++ compute functions no transformers
+- zoo `gqla` at one group per head -> `DeepseekV3ForCausalLM`: models/gqla/stock.py's `to_deepseek` (its own
+  refusals: fewer groups than heads, no latent norm, ...; tested in tests/test_deepseek.py).
+- every other architecture is refused: Ladder, Kraken, the parallel block, linear attention, ScMoE and MoE++ compute functions no transformers
   class computes (they load with the zoo's remote code: `models.checkpoint.save_checkpoint`).
 
 Exactness (tests/test_export_stock.py, float64): every weight bit for bit; the stock model's logits within
@@ -61,10 +62,11 @@ ZOO_MOE_FIELDS = (
     "router_aux_loss_style",  # Mixtral computes transformers' balance loss ("hf") whatever the zoo used
     "mlp_bias",  # of the dense MLPs: none when every layer is an MoE layer
 )
-NOT_YET = {
-    "zoo_gqla": "gqla -> DeepseekV3ForCausalLM (at one group per head) is not written yet (issue 20, item 3)",
+STOCK_CLASSES = {
+    "zoo_llama": "LlamaForCausalLM",
+    "zoo_moe": "MixtralForCausalLM",
+    "zoo_gqla": "DeepseekV3ForCausalLM (one group per head)",
 }
-STOCK_CLASSES = {"zoo_llama": "LlamaForCausalLM", "zoo_moe": "MixtralForCausalLM"}
 
 
 def _fields(config) -> dict:
@@ -74,10 +76,9 @@ def _fields(config) -> dict:
 def _refuse_other(model_type: str) -> None:
     if model_type in STOCK_CLASSES:
         return
-    why = NOT_YET.get(
-        model_type,
+    why = (
         f"{model_type} computes a function no transformers class computes; save it with "
-        "models.checkpoint.save_checkpoint, which writes its code beside the weights (trust_remote_code=True)",
+        "models.checkpoint.save_checkpoint, which writes its code beside the weights (trust_remote_code=True)"
     )
     raise ValueError(
         f"export_stock writes {', '.join(f'{k} -> {v}' for k, v in STOCK_CLASSES.items())}; a {model_type} model "
@@ -142,6 +143,10 @@ def to_stock(model: PreTrainedModel) -> PreTrainedModel:
     _refuse_other(model_type)
     if not hasattr(model, "lm_head"):
         raise TypeError(f"export_stock takes a zoo ...ForCausalLM (with its LM head), not {type(model).__name__}.")
+    if model_type == "zoo_gqla":
+        from models.gqla.stock import to_deepseek  # the gqla folder's own mapping
+
+        return to_deepseek(model)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if model_type == "zoo_llama":
         stock_class, stock_config = LlamaForCausalLM, llama_config(config)
@@ -162,7 +167,7 @@ def to_stock(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def export_stock(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> Path:
-    """Write `model` (zoo llama or moe) as a stock-class checkpoint to `out_dir` (and `tokenizer` beside it):
+    """Write `model` (zoo llama, moe or gqla) as a stock-class checkpoint to `out_dir` (and `tokenizer` beside it):
     it loads with `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers. Returns `out_dir`."""
     out_dir = Path(out_dir)
     stock = to_stock(model)
@@ -188,11 +193,23 @@ ZOO_TYPES = (
 )
 
 
+def check_stock_config(config) -> None:
+    """One clear error, from the config alone, for a zoo model `to_stock` would refuse."""
+    _refuse_other(config.model_type)
+    if config.model_type == "zoo_moe":
+        mixtral_config(config)
+    elif config.model_type == "zoo_gqla":
+        from models.gqla.stock import check_exportable
+
+        check_exportable(config)
+
+
 def check_export_stock(source: str | Path) -> None:
-    from transformers import PreTrainedConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
     raw, _ = PreTrainedConfig.get_config_dict(str(source))
-    _refuse_other(raw.get("model_type"))
+    _refuse_other(raw.get("model_type"))  # before building a config of an architecture that cannot export
+    check_stock_config(AutoConfig.from_pretrained(str(source)))
 
 
 def export_stock_converter(source: str | Path) -> PreTrainedModel:
@@ -206,7 +223,7 @@ EXPORT_STOCK = Converter(
     name="export_stock",
     source="zoo",
     source_types=ZOO_TYPES,
-    source_title="zoo llama / moe",
+    source_title="zoo llama / moe / gqla",
     target="stock",
     target_title="stock transformers class",
     convert=export_stock_converter,

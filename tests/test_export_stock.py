@@ -1,5 +1,6 @@
 """Zoo models exported to stock transformers classes (models/stock_export.py): zoo `llama` ->
-LlamaForCausalLM, zoo `moe` -> MixtralForCausalLM, loaded back with plain `AutoModelForCausalLM` (no
+LlamaForCausalLM, zoo `moe` -> MixtralForCausalLM (gqla -> DeepseekV3ForCausalLM is models/gqla/stock.py's,
+tested in tests/test_deepseek.py; here only that export_stock reaches it), loaded back with plain `AutoModelForCausalLM` (no
 trust_remote_code, no zoo code in the folder), tiny random models:
 
 - every weight arrives bit for bit (the stock model's state dict, mapped back, equals the zoo's);
@@ -176,13 +177,26 @@ def test_moe_that_mixtral_cannot_compute_refused(overrides, named):
     assert named in str(error.value)
 
 
-@pytest.mark.parametrize("arch", ["gqla", "ladder", "scmoe"])
+@pytest.mark.parametrize("arch", ["ladder", "kraken", "scmoe", "moepp", "linear"])
 def test_other_architectures_refused(arch, tmp_path):
     model = tiny_zoo(arch, torch.float32)
-    match = "not written yet" if arch == "gqla" else "no transformers class computes"
-    with pytest.raises(ValueError, match=f"cannot be exported: .*{match}"):
+    with pytest.raises(ValueError, match="cannot be exported: .*no transformers class computes"):
         export_stock(model, tmp_path)
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_gqla_exports_to_deepseek_v3_at_one_group_per_head(tmp_path):
+    """gqla goes through models/gqla/stock.py (tested in full in tests/test_deepseek.py): here, that
+    export_stock reaches it, and that a regrouped gqla is refused by its rule."""
+    from transformers import DeepseekV3ForCausalLM
+
+    zoo = tiny_zoo("gqla", num_kv_groups=4, kv_a_layernorm=True)
+    stock = AutoModelForCausalLM.from_pretrained(export_stock(zoo, tmp_path / "stock")).eval()
+    assert type(stock) is DeepseekV3ForCausalLM
+    with torch.no_grad():
+        assert relative_gap(stock(IDS).logits, zoo(IDS).logits) < SHIPPED_RTOL
+    with pytest.raises(ValueError, match="num_kv_groups=2 with num_attention_heads=4"):
+        to_stock(tiny_zoo("gqla", torch.float32))
 
 
 def test_converter_reads_every_zoo_type():

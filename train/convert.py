@@ -13,8 +13,8 @@
   models/scmoe/convert.py;
 - `mixtral_to_moe`: a Mixtral checkpoint renamed into the zoo's `moe`, the same function (models/moe/convert.py;
   option `router_aux_loss_coef`);
-- `export_stock`: a zoo `llama` / `moe` checkpoint written as a stock transformers class (LlamaForCausalLM /
-  MixtralForCausalLM, models/stock_export.py), saved with the class's own `save_pretrained` (no remote code)
+- `export_stock`: a zoo `llama` / `moe` / `gqla` checkpoint written as a stock transformers class
+  (LlamaForCausalLM / MixtralForCausalLM / DeepseekV3ForCausalLM, models/stock_export.py), saved with the class's own `save_pretrained` (no remote code)
   into <run dir>/stock; no retraining (the zoo's trainer trains zoo models);
 - `llama_to_gqla`: TransGQLA (models/gqla/convert.py), calibrated on the first `calibration_batches`
   training batches of the bundled corpus (`calibration_batches`, handed to a converter whose `calibration`
