@@ -62,12 +62,20 @@ def load_stock(directory, arch):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, **extra).eval()
 
 
+def export_case(case: str, tmp_path_factory):
+    arch, overrides = CASES[case]
+    zoo = tiny_zoo(arch, **overrides)
+    return arch, zoo, export_stock(zoo, tmp_path_factory.mktemp(case) / "stock")
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def exported(request, tmp_path_factory):
-    arch, overrides = CASES[request.param]
-    zoo = tiny_zoo(arch, **overrides)
-    out = export_stock(zoo, tmp_path_factory.mktemp(request.param) / "stock")
-    return arch, zoo, out
+    return export_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(c for c, (arch, _) in CASES.items() if arch == "moe"))
+def exported_moe(request, tmp_path_factory):
+    return export_case(request.param, tmp_path_factory)
 
 
 def relative_gap(a, b) -> float:
@@ -127,10 +135,8 @@ def test_logits_equal_to_fp64_rounding_with_fp64_norms_and_rope_table(exported):
     assert gap < (1e-12 if arch == "llama" else 1e-7), gap
 
 
-def test_same_experts_chosen(exported):
-    arch, zoo, out = exported
-    if arch != "moe":
-        pytest.skip("llama has no router")
+def test_same_experts_chosen(exported_moe):
+    arch, zoo, out = exported_moe
     stock = load_stock(out, arch)
     k = zoo.config.num_experts_per_tok
     found = []
