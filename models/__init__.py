@@ -150,6 +150,9 @@ register_converter(LLAMA_TO_MOE)
 register_converter(LLAMA_TO_SCMOE)
 # TransGQLA: RoRoPE + joint low-rank [K_nope, V] of a GQA Llama (models/gqla/convert.py).
 register_converter(LLAMA_TO_GQLA)
+# Out to stock transformers classes (llama -> LlamaForCausalLM, moe -> MixtralForCausalLM, gqla at one group per
+# head -> DeepseekV3ForCausalLM): `models.export_stock(model, out_dir)`, `converter=export_stock` (registers itself).
+from models.stock_export import EXPORT_STOCK, export_stock, to_stock  # noqa: E402
 
 __all__ = [
     "CONVERTERS",
@@ -157,13 +160,16 @@ __all__ = [
     "ZOO",
     "Collectives",
     "Converter",
+    "EXPORT_STOCK",
     "ZooEntry",
     "apply_special_tokens",
     "build_config",
     "build_model",
+    "export_stock",
     "get",
     "get_converter",
     "register",
     "register_converter",
     "save_checkpoint",
+    "to_stock",
 ]
