@@ -59,8 +59,9 @@ def finish_row(row: dict) -> dict:
     if missing:
         raise ValueError(f"A held-out row lacks {missing} (eval/simulator/heldout/__init__.py names the keys).")
     row = dict(row)
-    row["ratio"] = row["predicted"] / row["published"]
-    row["within"] = abs(row["ratio"] - 1) <= heldout.TARGET
+    # A quick run (tiny shapes) may leave `published` None: its numbers are not at the paper's setting.
+    row["ratio"] = row["predicted"] / row["published"] if row["published"] else None
+    row["within"] = None if row["ratio"] is None else abs(row["ratio"] - 1) <= heldout.TARGET
     for c in row["cells"]:
         c["ratio"] = c["predicted"] / c["published"] if c.get("published") else None
     row.setdefault("sensitivity", [])
@@ -102,22 +103,28 @@ def run_validation(cfg: dict, out_dir: Path, command: str = "") -> dict:
 
 
 def plot_ratios(path: Path, result: dict) -> Path:
-    """predicted / published of every cell (small markers) and headline (large), one column per paper; the grey
-    bands are the targets (Ladder: 10% tokens/s, 15% prefill; held out: 15%)."""
+    """predicted / published of every cell (small markers) and headline (large stars), one column per paper, cells
+    that are not the paper's quantity hollow; the grey bands are the targets (Ladder: 10% tokens/s, 15% prefill;
+    held out: 15%)."""
     plt = report.pyplot()
     groups = [("Ladder 70B\n(fitted)", [(c["ratio"], False) for c in result["ladder"]["cells"]])]
     for row in result["heldout"]:
-        points = [(c["ratio"], False) for c in row["cells"] if c.get("ratio")]
-        groups.append((row["key"] + "\n(held out)", points + [(row["ratio"], True)]))
+        # A cell its module marks `comparable: False` (not the paper's quantity) is drawn apart: hollow.
+        points = [(c["ratio"], None if c.get("comparable") is False else False) for c in row["cells"] if c.get("ratio")]
+        groups.append((row["key"] + "\n(held out)", points + ([(row["ratio"], True)] if row["ratio"] else [])))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
     ax.axhspan(1 / 1.15, 1.15, color="grey", alpha=0.12, label="±15%")
     ax.axhspan(0.9, 1.1, color="grey", alpha=0.18, label="±10%")
     ax.axhline(1, color="grey", lw=1)
     for i, (_, points) in enumerate(groups):
-        cells = [r for r, head in points if not head]
-        heads = [r for r, head in points if head]
+        cells = [r for r, head in points if head is False]
+        heads = [r for r, head in points if head is True]
+        apart = [r for r, head in points if head is None]
         jitter = [i + 0.25 * ((k % 7) / 6 - 0.5) for k in range(len(cells))]
         ax.scatter(jitter, cells, s=14, color=f"C{i}", alpha=0.7)
+        if apart:
+            ax.scatter([i + 0.3] * len(apart), apart, s=40, facecolors="none", edgecolors=f"C{i}",
+                       label="not comparable (see its row)" if not any(h is None for g in groups[:i] for _, h in g[1]) else None)  # fmt: skip
         if heads:
             ax.scatter([i] * len(heads), heads, s=140, marker="*", color=f"C{i}", edgecolor="black", zorder=3,
                        label="headline" if i == 1 else None)  # fmt: skip
@@ -132,6 +139,12 @@ def plot_ratios(path: Path, result: dict) -> Path:
     return path
 
 
+def _short(text: str, limit: int = 220) -> str:
+    """The first sentence of a row's `lacks` (the whole text is in the paper's own section)."""
+    first = text.split(". ")[0].rstrip(".")
+    return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+
+
 def _fmt(x) -> str:
     return "n/a" if x is None else report.format_value(x)
 
@@ -140,7 +153,7 @@ def markdown(result: dict, image: Path) -> str:
     lad, rows = result["ladder"], result["heldout"]
     c = result["constants"]
     within = [r["key"] for r in rows if r["within"]]
-    missed = [r["key"] for r in rows if not r["within"]]
+    missed = [r["key"] for r in rows if r["within"] is False]
     lines = [
         "# Speed simulator validation",
         "",
@@ -162,7 +175,8 @@ def markdown(result: dict, image: Path) -> str:
         "",
         report.write_markdown_table(
             [{"paper": r["paper"], "headline": r["headline"], "published": r["published"], "predicted": r["predicted"],
-              "ratio": r["ratio"], "within": "yes" if r["within"] else "**no**", "lacks": r["lacks"] or "-"} for r in rows],
+              "ratio": _fmt(r["ratio"]), "within": {True: "yes", False: "**no**", None: "n/a"}[r["within"]],
+              "lacks": _short(r["lacks"]) + " (below)" if r["lacks"] else "-"} for r in rows],
             ["paper", "headline", "published", "predicted", "ratio", "within", "lacks"],
         ),  # fmt: skip
         "",
@@ -178,8 +192,9 @@ def markdown(result: dict, image: Path) -> str:
         "- The Ladder cells are in sample: they show the device and link model can describe one machine (8 x H100 "
         "NVLink, gpt-fast, compiled, CUDA graphs) at one model family, decode and prefill; they do not show it "
         "predicts anything else.",
-        *[f"- {r['paper']}: " + ("predicted within the target at its own setting." if r["within"] else
-          f"missed ({r['ratio']:.2f}x of the published ratio). {r['lacks']}") for r in rows],  # fmt: skip
+        *[f"- {r['paper']}: " + ("no published number beside this run." if r["within"] is None else
+          "headline predicted within the target at its own setting." + (f" What misses: {_short(r['lacks'])} (its section)." if r["lacks"] else "")
+          if r["within"] else f"headline missed ({r['ratio']:.2f}x of the published ratio): {_short(r['lacks'])} (its section).") for r in rows],  # fmt: skip
         "",
     ]
     for r in rows:
@@ -190,8 +205,9 @@ def markdown(result: dict, image: Path) -> str:
             "",
             f"**Setting**: {r['setting']}",
             "",
-            f"Published {_fmt(r['published'])}, predicted {_fmt(r['predicted'])}, ratio {r['ratio']:.3f} "
-            f"({'within' if r['within'] else 'outside'} {result['target']:.0%}; {r['elapsed_s']:.0f} s to compute).",
+            f"Published {_fmt(r['published'])}, predicted {_fmt(r['predicted'])}, ratio {_fmt(r['ratio'])} "
+            f"({ {True: 'within', False: 'outside', None: 'no target at'}[r['within']]} {result['target']:.0%}; "
+            f"{r['elapsed_s']:.0f} s to compute).",
             "",
             report.write_markdown_table(
                 [{**cell, "published": _fmt(cell.get("published")), "ratio": _fmt(cell.get("ratio"))} for cell in r["cells"]],
@@ -232,8 +248,8 @@ def main(cfg: DictConfig) -> None:
     command = " ".join(["python -m eval.validation", *HydraConfig.get().overrides.task])
     result = run_validation(plain, out_dir, command)
     for r in result["heldout"]:
-        print(f"[validation] {r['key']}: published {r['published']:.3f}, predicted {r['predicted']:.3f}, "
-              f"ratio {r['ratio']:.3f} ({'within' if r['within'] else 'outside'} {heldout.TARGET:.0%})", flush=True)  # fmt: skip
+        print(f"[validation] {r['key']}: published {_fmt(r['published'])}, predicted {_fmt(r['predicted'])}, "
+              f"ratio {_fmt(r['ratio'])} (within {heldout.TARGET:.0%}: {r['within']})", flush=True)  # fmt: skip
     print(f"[validation] -> {out_dir}/README.md, validation.json, validation.png", flush=True)
 
 

@@ -231,6 +231,7 @@ def validate(quick: bool = False) -> dict:
             "label": f"LASP-2 over {NAMES[baseline]}, N={n0}, P={p}",
             "published": None if quick else PUBLISHED[baseline], "predicted": tb / t2,
             "times": {"lasp2_s": t2, f"{baseline}_s": tb}, "what": what,
+            **({"comparable": False} if baseline == "ring" else {}),
         })  # fmt: skip
     for n in s["lengths"]:
         t2 = base[("lasp2", n)]
@@ -303,7 +304,7 @@ def validate(quick: bool = False) -> dict:
         "whatever N or P): the paper's step has a fixed cost of that size which this prediction does not have; the "
         "absolute tokens/s cells show it.",
     ]
-    lacks = _lacks(headline, cells[1]["predicted"], sensitivity, quick)
+    lacks = _lacks(headline, cells[1]["predicted"], sensitivity, quick, cells)
     row = {
         "paper": "LASP-2 (Sun, Lan, Zhong, Qu, Cheng, 2025)",
         "source": SOURCE,
@@ -327,11 +328,22 @@ def validate(quick: bool = False) -> dict:
     return row
 
 
-def _lacks(over_lasp1: float, over_ring: float, sensitivity: list, quick: bool) -> str:
+def _lacks(over_lasp1: float, over_ring: float, sensitivity: list, quick: bool, cells: list) -> str:
     """The effects the prediction misses, with the sensitivity runs that show them (computed, not written)."""
     if quick:
         return ""
     out = []
+    absolute = [(c["label"], c["predicted"] / c["published"]) for c in cells
+                if c["label"].startswith("LASP-2 tokens/s") and c["published"]]  # fmt: skip
+    if absolute:
+        lo, hi = min(absolute, key=lambda x: x[1]), max(absolute, key=lambda x: x[1])
+        out.append(
+            f"Absolute tokens/s (Table 6) are predicted {lo[1]:.1f}x ({lo[0]}) to {hi[1]:.1f}x ({hi[0]}) the published: "
+            "Table 6's throughput is proportional to N from 2K to 8K (about 1.6 s per step whatever N), a fixed cost per "
+            "step (framework, data loading, optimizer and synchronisation outside the model) that the simulator, which "
+            "charges the model's own ops and collectives only, does not have; the ratios between methods at one N "
+            "share that cost, so the headline is far less affected by it than the absolute cells."
+        )
     if abs(over_lasp1 / PUBLISHED["lasp1"] - 1) > 0.15:
         sweep = [e for e in sensitivity if e["effect"].startswith("per-hop launch")]
         out.append(
