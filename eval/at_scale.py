@@ -144,6 +144,7 @@ def markdown(result: dict) -> str:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    report.refuse_wandb_logger(cfg, "eval.at_scale")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
     result = run_all(cfg, out_dir)
     print(markdown(result), flush=True)

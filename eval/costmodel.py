@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from eval.report import refuse_wandb_logger
 from eval.simulator.costmodel import run_costmodel
 
 
@@ -14,8 +15,10 @@ from eval.simulator.costmodel import run_costmodel
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    refuse_wandb_logger(cfg, "eval.costmodel")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
-    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k not in ("paths", "hydra")}
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
+             if k not in ("paths", "hydra", "logger")}  # fmt: skip
     result = run_costmodel(plain, out_dir, " ".join(["python -m eval.costmodel", *HydraConfig.get().overrides.task]))
     print(json.dumps({"constants": result["constants"], "mean_abs_log_ratio": result["mean_abs_log_ratio"],
                       "worst_tok_s_error": result["worst_tok_s_error"],

@@ -8,7 +8,8 @@
 - the tokenizer of the checkpoint folder when it has one, else the bundled tokenizer;
 - `device="auto"` (CUDA when available, else CPU), fp32 by default, a fixed batch size;
 - no Hub lookup of the model's revision hash when reporting model info (zoo checkpoints are local,
-  and the lookup would wait on the network).
+  and the lookup would wait on the network);
+- weights with NaN or infinite values refused, naming the tensors (their log-likelihoods would be NaN).
 
 In Python:
 
@@ -21,6 +22,10 @@ From the shell, `python -m eval.lm_eval_adapter` is lm-eval's own command line w
 
     python -m eval.lm_eval_adapter run --model zoo --model_args pretrained=outputs/pretrain/<time>/hf \\
         --include_path eval/tasks --tasks shakespeare --batch_size 8 --device cpu
+
+`--include_path eval/tasks` is needed with either command line (and with plain `lm_eval --model hf`): lm-eval
+0.4 finds tasks only in its own folder and in --include_path; it has no entry point through which an
+installed package could add tasks, so "Tasks not found" is what it says without the flag.
 """
 
 from pathlib import Path
@@ -32,6 +37,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
 import models  # noqa: F401  (registers the zoo's architectures with the Auto classes)
+from models.checkpoint import check_finite_weights
 from train.data import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -95,6 +101,7 @@ class ZooLM(HFLM):
             max_length=int(max_length) if max_length is not None else None,
             **kwargs,
         )
+        check_finite_weights(self.model, f"pretrained={checkpoint}" if checkpoint else "The model")
 
     def get_model_info(self) -> dict:
         return {

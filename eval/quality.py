@@ -2,9 +2,13 @@
 
 A Hydra app over `conf/quality.yaml`:
 
+0. checks `tasks.bundled` against the tasks under eval/tasks before anything is loaded (a misspelt name
+   is refused naming the bundled tasks);
 1. loads the model: a `save_pretrained` folder (`checkpoint=outputs/pretrain/<time>/hf`) or, with
    `checkpoint=null`, a randomly initialised `model.name` with `model.config` (the sanity baseline:
-   chance accuracy, perplexity about the vocabulary size);
+   chance accuracy, perplexity about the vocabulary size); weights that hold NaN or infinite values are
+   refused, naming the tensors (`models.checkpoint.check_finite_weights`): their perplexity would be
+   nan and every generated token eos;
 2. measures the validation perplexity on the bundled corpus: `train.metrics.evaluate_loss` (the loss the
    trainer validates with) over `LMDataModule(...).val_dataloader()`, token-weighted over packed blocks
    of `perplexity.seq_len`;
@@ -12,12 +16,14 @@ A Hydra app over `conf/quality.yaml`:
    (`eval/tasks`) and on `tasks.hub` tasks by name; a hub task is recorded as "skipped: offline" when
    the Hugging Face Hub cannot be reached, and as "error: ..." when it fails to load for another
    reason, so one missing dataset never costs the rest of the report;
-4. writes `quality.json` and `quality.md` to the run directory (or `out_dir`) and logs the same to
-   W&B (offline unless WANDB_MODE says otherwise; `logger=none` for files only).
+4. writes `quality.json` (valid JSON: a NaN metric is null) and `quality.md` to the run directory (or
+   `out_dir`) and logs the same to W&B (offline unless WANDB_MODE says otherwise; `logger=none` for
+   files only).
 
 `run(cfg)` does all of this without Hydra's decorator (tests call it with a composed config).
 """
 
+import math
 import os
 import socket
 import time
@@ -35,6 +41,7 @@ import models
 from eval import report
 from eval.lm_eval_adapter import ZooLM, has_tokenizer, resolve_device
 from eval.tasks import TASKS_DIR
+from models.checkpoint import check_finite_weights
 from train.data import LMDataModule, load_tokenizer
 from train.metrics import evaluate_loss
 
@@ -73,6 +80,7 @@ def load_model(cfg: DictConfig, vocab_size: int) -> tuple[torch.nn.Module, dict]
                 "pass e.g. outputs/pretrain/<time>/hf."
             )
         model = AutoModelForCausalLM.from_pretrained(path, dtype=get_dtype(cfg.dtype))
+        check_finite_weights(model, f"checkpoint={cfg.checkpoint}")
         info = {"source": "checkpoint", "checkpoint": str(path.resolve())}
     else:
         torch.manual_seed(cfg.seed)  # the same random model on every run
@@ -120,6 +128,13 @@ def validation_perplexity(model: torch.nn.Module, cfg: DictConfig, tokenizer: st
     )
     datamodule.setup("validate")
     measured = evaluate_loss(model, datamodule.val_dataloader(), p.max_batches)
+    if not math.isfinite(measured["loss"]):
+        # finite weights (checked on loading) and yet a NaN / infinite loss: the activations overflow
+        fix = "evaluate it in dtype=float32" if cfg.dtype != "float32" else "its activations overflow even there"
+        raise ValueError(
+            f"The validation loss is {measured['loss']} although the weights are finite (dtype={cfg.dtype}): "
+            f"the model's outputs are not finite; {fix}."
+        )
     return {"source": p.source, "split": "validation", "seq_len": p.seq_len, **measured}
 
 
@@ -202,8 +217,26 @@ def evaluate_tasks(
     return entries
 
 
-def run_lm_eval(lm: ZooLM, cfg: DictConfig) -> dict[str, dict]:
-    bundled = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+def bundled_task_manager() -> TaskManager:
+    """lm-eval's index of the tasks under eval/tasks only (lm-eval's own ~15k are not indexed)."""
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+def check_bundled_tasks(names, task_manager: TaskManager) -> None:
+    """Refuse a name in `tasks.bundled` that eval/tasks does not define, naming those it does."""
+    names = list(names or [])
+    known = task_manager.all_tasks  # tasks and tags ("shakespeare": all of them)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"tasks.bundled={names} names {unknown}, which eval/tasks does not define; the bundled tasks are "
+            f"{task_manager.all_subtasks} (tags: {task_manager.all_tags}). lm-eval's own tasks go in "
+            "tasks.hub."
+        )
+
+
+def run_lm_eval(lm: ZooLM, cfg: DictConfig, bundled: TaskManager | None = None) -> dict[str, dict]:
+    bundled = bundled or bundled_task_manager()
     entries = evaluate_tasks(lm, bundled, list(cfg.tasks.bundled), cfg, "bundled", tolerate_errors=False)
     hub_names = list(cfg.tasks.hub or [])
     if hub_names:
@@ -296,6 +329,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
 
+    bundled = bundled_task_manager()
+    check_bundled_tasks(cfg.tasks.bundled, bundled)  # before the model and the perplexity pass
     tokenizer_from = tokenizer_source(cfg)
     tokenizer = load_tokenizer(tokenizer_from)
     model, model_info = load_model(cfg, len(tokenizer))
@@ -304,7 +339,7 @@ def run(cfg: DictConfig) -> dict:
     lm = ZooLM(
         model, tokenizer=tokenizer, device=model_info["device"], dtype="auto", batch_size=cfg.tasks.batch_size
     )
-    tasks = run_lm_eval(lm, cfg)
+    tasks = run_lm_eval(lm, cfg, bundled)
 
     result = {
         "model": model_info,

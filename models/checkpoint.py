@@ -7,21 +7,37 @@
   tokenizer are `<|pad|>` and "!"; `generate()` would then stop at "!" and never at end of text);
 - loads without this package: the model's code is written beside the weights and config.json names it
   in `auto_map` (models/export.py), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`
-  works in plain transformers, and `from_pretrained(dir)` after `import models` as before.
+  works in plain transformers, and `from_pretrained(dir)` after `import models` as before;
+- is readable by others on a shared filesystem: transformers 5 writes model.safetensors through a
+  private temporary file (mode 0600); the files get the usual umask-respecting mode (0644 under umask
+  022) instead (`share_files`);
+- carries no loading option of the machine that saved it: `tokenizer_config.json` would otherwise store
+  `local_files_only: true` (train.data.load_tokenizer offline), which follows the checkpoint to machines
+  that do have a hub.
+
+`check_finite_weights(model, source)` refuses a model with NaN or infinite weights, naming the tensors:
+such a model computes NaN logits, and greedy `generate()` then returns eos ids without a word.
 
 `apply_special_tokens(model_or_config, tokenizer)` is the first step alone, for a model (or config) in
 memory: called where a model is built next to its tokenizer, it makes `generate()` stop at the
 tokenizer's eos before anything is saved.
 """
 
+import json
+import os
+import time
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.export import build_remote_code, write_remote_code
 from models.registry import ZOO
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Options of one from_pretrained call that transformers stores in tokenizer_config.json; they describe the
+# machine that loaded the tokenizer, not the tokenizer.
+LOADING_OPTIONS = ("local_files_only",)
 
 
 def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
@@ -79,12 +95,61 @@ def save_checkpoint(
     # Build the code first: an architecture that cannot be exported fails before anything is written.
     code = build_remote_code(model)
     apply_special_tokens(model, tokenizer)
+    started = time.time()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    drop_loading_options(directory)
     write_remote_code(
         code, directory, architecture=_architecture_name(model), class_name=type(model).__name__
     )
+    share_files(directory, since=started)
     return directory
+
+
+def drop_loading_options(directory: str | Path) -> None:
+    """Remove `LOADING_OPTIONS` (e.g. `local_files_only: true`) from the folder's tokenizer_config.json."""
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if any(name in config for name in LOADING_OPTIONS):
+        for name in LOADING_OPTIONS:
+            config.pop(name, None)
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def share_files(directory: str | Path, since: float = 0.0) -> None:
+    """Give the files written in `directory` since `since` (a time.time()) the mode a plain `open()` gives:
+    0666 less the process's umask (0644 under umask 022). transformers 5 writes weights through a private
+    temporary file (0600), which others on a shared filesystem cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)  # os.umask is the only way to read it; put it back at once
+    mode = 0o666 & ~umask
+    for path in Path(directory).iterdir():
+        if path.is_file() and not path.is_symlink() and path.stat().st_mtime >= since - 1:
+            path.chmod(mode)
+
+
+def check_finite_weights(model: torch.nn.Module, source: str) -> None:
+    """Raise ValueError naming every parameter or buffer of `model` that holds NaN or infinite values.
+
+    `source` says where the model came from (e.g. "checkpoint=outputs/.../hf"), for the message."""
+    bad = []
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tensors:
+        if not tensor.is_floating_point() or tensor.device.type == "meta":
+            continue
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            count = int((~finite).sum())
+            bad.append(f"{name} ({count} of {tensor.numel()} values)")
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ValueError(
+            f"{source} has non-finite (NaN or infinite) weights in {len(bad)} tensor(s): {shown}; its outputs "
+            "would be NaN (generate() returns eos ids, the perplexity is nan): evaluate an earlier checkpoint or "
+            "retrain from one."
+        )
 
 
 def _architecture_name(model: PreTrainedModel) -> str:
@@ -95,4 +160,12 @@ def _architecture_name(model: PreTrainedModel) -> str:
     return model.config.model_type
 
 
-__all__ = ["SPECIAL_TOKENS", "apply_special_tokens", "save_checkpoint", "special_token_ids"]
+__all__ = [
+    "SPECIAL_TOKENS",
+    "apply_special_tokens",
+    "check_finite_weights",
+    "drop_loading_options",
+    "save_checkpoint",
+    "share_files",
+    "special_token_ids",
+]

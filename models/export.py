@@ -232,6 +232,10 @@ def build_remote_code(model) -> RemoteCode:
     return RemoteCode({f"{name}.py": source for name, source in sorted(files.items())}, auto_map)
 
 
+# lm-eval finds the bundled tasks only through --include_path: the checkpoint's README names this folder.
+TASKS_DIR = Path(__file__).resolve().parents[1] / "eval" / "tasks"
+
+
 def model_card(model_type: str, architecture: str, class_name: str) -> str:
     """README.md of an exported checkpoint: how to load it, with and without the overlap-zoo package."""
     return f"""---
@@ -258,7 +262,19 @@ tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)
 generate = pipeline("text-generation", model=PATH, trust_remote_code=True)
 ```
 
-lm-eval: `lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True ...`.
+lm-eval: `lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks TASKS ...`.
+The overlap-zoo's own tasks (`shakespeare_next_line`, `shakespeare_cloze`, `shakespeare_passages`, the
+tag `shakespeare`) are not among lm-eval's: it looks for tasks only in its own folder and in
+`--include_path` (it has no installed task plugins), so pass `--include_path {TASKS_DIR}` (the
+`eval/tasks` folder of the overlap-zoo repository), or lm-eval says "Tasks not found".
+
+Load it with the Auto classes (above), not with a stock class of the same shape: config.json names
+`{class_name}` (`model_type` `{model_type}`), but `LlamaForCausalLM.from_pretrained(PATH)` or
+`MixtralForCausalLM.from_pretrained(PATH)` ignores that and builds its own architecture from the numbers:
+a ladder or parallel checkpoint then loads as a *different function* without a missing weight, an MoE
+checkpoint with randomly initialised experts; transformers says no more than "You are using a model of
+type {model_type} to instantiate a model of type ...". A stock-class copy, where the zoo has an exact one
+(llama, moe, gqla), is `models.export_stock(model, out_dir)`.
 
 With the overlap-zoo package installed, `import models` registers `{model_type}` and the flag is not
 needed. The bundled code is the package's own, for one device (no process group: every collective

@@ -5,7 +5,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eval.bench.app import run_bench, settings_of
+from eval.bench.app import rows_written, run_bench, settings_of
 
 
 @hydra.main(config_path="../../conf", config_name="bench", version_base="1.3")
@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> None:
     settings = settings_of(plain)
     command = " ".join(["python -m eval.bench", *HydraConfig.get().overrides.task])
     results = run_bench(settings, out_dir, wandb_cfg, command)
-    print(f"[bench] {len(results['rows'])} rows -> {out_dir}/README.md, results.json, *.png", flush=True)
+    print(f"[bench] {rows_written(results)} -> {out_dir}/README.md, results.json, *.png", flush=True)
 
 
 if __name__ == "__main__":

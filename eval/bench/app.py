@@ -45,6 +45,21 @@ from eval.bench.sp_report import add_sp_comparisons
 from parallel.link import LINK_PRESETS
 
 
+def rows_written(results: dict) -> str:
+    """What the bench measured, section by section, for its last line: "12 generation rows, 40 sequence-parallel
+    rows (24 timed, 16 bytes)", not the generation rows alone (0 in `bench_preset=sp`)."""
+    sp = results.get("sequence_parallel") or {}
+    timed, counted = len(sp.get("timed") or []), len(sp.get("bytes") or [])
+    parts = [
+        (len(results.get("rows") or []), "generation rows"),
+        (len(results.get("expert_throughput") or []), "expert-throughput rows"),
+        (timed + counted, f"sequence-parallel rows ({timed} timed, {counted} bytes)"),
+        (len((results.get("decode_paths") or {}).get("rows") or []), "decode-path rows"),
+    ]
+    parts = [f"{n} {what}" for n, what in parts if n]
+    return ", ".join(parts) or "no rows (every section off or skipped)"
+
+
 def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     """Fail before measuring anything if a setting is out of range, an architecture cannot be built at the
     shape, or a degree point fits no architecture (each architecture's own `check_layout`). Returns which
