@@ -148,12 +148,21 @@ def series_style(label: str) -> dict:
 
 
 def _styled(labels: Sequence[str]) -> dict[str, dict]:
-    """The style of each label of one panel; the 2nd, 3rd, ... series of one key get other line styles."""
+    """The style of each label of one panel: `series_style`, except that the 2nd, 3rd, ... series of one key
+    get other line styles, and two keys outside STYLES never share a fallback colour in one panel."""
     seen: dict[str, int] = {}
+    fallback: dict[str, str] = {}  # key -> its colour in this panel
     styles = {}
     for label in labels:
         style = series_style(label)
         key = series_key(label)
+        if key not in STYLES:
+            if key not in fallback:
+                taken = set(fallback.values())
+                start = FALLBACK_COLOURS.index(style["color"])
+                free = [FALLBACK_COLOURS[(start + i) % len(FALLBACK_COLOURS)] for i in range(len(FALLBACK_COLOURS))]
+                fallback[key] = next((c for c in free if c not in taken), style["color"])
+            style["color"] = fallback[key]
         if seen.get(key, 0):
             first = LINE_STYLES.index(style.get("linestyle", "-"))
             style["linestyle"] = LINE_STYLES[(first + seen[key]) % len(LINE_STYLES)]
@@ -239,11 +248,12 @@ def plot_bars(
     path = Path(path)
     fig, ax = plt.subplots(figsize=(min(12.0, max(4.5, 1.5 + 0.35 * len(groups) * max(1, len(bars)))), 3.6))
     width = 0.8 / max(1, len(bars))
+    colours = {label: style["color"] for label, style in _styled(list(bars)).items()}
     for i, (label, values) in enumerate(bars.items()):
         xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(groups))]
         points = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]
         if points:
-            ax.bar(*zip(*points, strict=True), width=width, label=label, color=series_style(label)["color"])
+            ax.bar(*zip(*points, strict=True), width=width, label=label, color=colours[label])
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
     if hline is not None:
         ax.axhline(hline, color="grey", linewidth=0.8, linestyle="--")

@@ -124,6 +124,15 @@ def test_quality_json_is_valid_with_a_nan_metric(ckpt, tmp_path, monkeypatch):
         "value": None, "stderr": None, "higher_is_better": False}  # fmt: skip
 
 
+def test_non_finite_loss_of_finite_weights_is_an_error_not_na(ckpt, tmp_path, monkeypatch):
+    """Finite weights whose activations overflow (fp16): the perplexity pass says so instead of reporting n/a."""
+    monkeypatch.setattr(quality, "evaluate_loss", lambda *args: {"loss": float("nan"), "ppl": float("nan"), "tokens": 1})
+    with pytest.raises(ValueError, match=r"The validation loss is nan although the weights are finite "
+                                         r"\(dtype=float16\): .*evaluate it in dtype=float32"):  # fmt: skip
+        quality.run(quality_cfg(ckpt["good"], tmp_path, "dtype=float16"))
+    assert not (tmp_path / "quality.json").exists()
+
+
 def test_write_json_turns_non_finite_numbers_into_null(tmp_path):
     import numpy as np
 
@@ -165,9 +174,24 @@ def test_files_only_apps_take_logger_none_and_refuse_wandb(app):
             plots.refuse_wandb_logger(wandb, f"eval.{app}")
 
 
-def test_files_only_apps_call_the_refusal_in_main():
-    for module in ("at_scale", "costmodel"):
-        assert f'refuse_wandb_logger(cfg, "eval.{module}")' in (REPO / "eval" / f"{module}.py").read_text()
+def run_main(module, argv: list[str], tmp_path: Path, monkeypatch) -> None:
+    """An entry point's Hydra `main()` in this process, as `python -m <module> *argv` runs it (imported, the
+    module would look for its config_path as a package: --config-path gives the folder)."""
+    monkeypatch.setattr(sys, "argv", [module.__file__, f"--config-path={REPO / 'conf'}", *argv,
+                                      f"hydra.run.dir={tmp_path / 'hydra'}"])  # fmt: skip
+    module.main()
+
+
+@pytest.mark.parametrize("app", ["at_scale", "costmodel"])
+def test_files_only_apps_refuse_wandb_from_the_command_line(app, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"eval.{app}")
+    with pytest.raises(SystemExit) as exited:  # Hydra prints the error and exits 1
+        run_main(module, ["logger=wandb", f"out_dir={tmp_path / 'out'}"], tmp_path, monkeypatch)
+    assert exited.value.code == 1
+    assert f"logger=wandb, but python -m eval.{app} writes files only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any work
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -221,23 +245,32 @@ def test_bench_last_line_counts_every_section():
     both = {"rows": [{}] * 3, "decode_paths": {"rows": [{}] * 2}}
     assert rows_written(both) == "3 generation rows, 2 decode-path rows"
     assert rows_written({"rows": []}) == "no rows (every section off or skipped)"
-    main = (REPO / "eval" / "bench" / "__main__.py").read_text()
-    assert "{rows_written(results)}" in main and "len(results['rows'])" not in main
+
+
+def test_bench_command_prints_the_count_of_every_section(tmp_path, monkeypatch, capsys):
+    from eval.bench import __main__ as bench_main
+
+    sp_only = {"rows": [], "sequence_parallel": {"timed": [{}] * 24, "bytes": [{}] * 16}}
+    monkeypatch.setattr(bench_main, "run_bench", lambda *args: sp_only)
+    run_main(bench_main, ["bench_preset=sp", "logger=none", f"out_dir={tmp_path}"], tmp_path, monkeypatch)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("[bench] 40 sequence-parallel rows (24 timed, 16 bytes) -> "), last
 
 
 @pytest.fixture
 def figures(monkeypatch):
-    """Every figure eval.report saves: [{panel title: {label: (color, marker, linestyle)}, "_ylim": ...}]."""
+    """Every figure eval.report saves: [{panel title: {label: (hex colour, marker, linestyle), "_ylim": ...}}]."""
     saved = []
     original = plots._save
 
     def record(fig, path, title=""):
+        from matplotlib.colors import to_hex
+
         entry = {}
         for ax in fig.axes:
-            lines = {line.get_label(): (line.get_color(), line.get_marker(), line.get_linestyle())
+            lines = {line.get_label(): (to_hex(line.get_color()), line.get_marker(), line.get_linestyle())
                      for line in ax.get_lines() if not line.get_label().startswith("_")}  # fmt: skip
-            bars = {c.get_label(): (tuple(round(x, 3) for x in c.patches[0].get_facecolor()[:3]),)
-                    for c in ax.containers}  # fmt: skip
+            bars = {c.get_label(): (to_hex(c.patches[0].get_facecolor()),) for c in ax.containers}
             entry[ax.get_title()] = {**lines, **bars, "_ylim": ax.get_ylim()}
         saved.append(entry)
         return original(fig, path, title)
@@ -266,13 +299,21 @@ def test_one_colour_per_architecture_in_every_figure(figures, tmp_path):
         for panel in fig.values():
             for label, style in panel.items():
                 if label != "_ylim":
-                    colours.setdefault(label.split(" ")[0], set()).add(
-                        style[0] if isinstance(style[0], str) else "#%02x%02x%02x" % tuple(round(255 * c) for c in style[0])
-                    )  # fmt: skip
+                    colours.setdefault(label.split(" ")[0], set()).add(style[0])
     assert len(figures) == 9  # 4 generation plots twice, one bar chart
     for arch in ("ladder", "parallel", "kraken"):
         assert colours[arch] == {plots.STYLES[arch]["color"]}, colours
     assert len({plots.STYLES[a]["color"] for a in models.ZOO}) == len(models.ZOO)  # ten different colours
+
+
+def test_labels_outside_the_table_get_distinct_stable_colours(figures, tmp_path):
+    """The expert-throughput bars ("measured ...", "expert rows ...") name no architecture; their text-chosen
+    colours would coincide: one panel never shows two such keys in one colour, and each keeps it across figures."""
+    bars = {"measured tokens/s speed-up": [1.0], "expert rows ratio (compute-bound)": [2.0]}
+    plots.plot_bars(tmp_path / "a.png", ["x"], bars, ylabel="y")
+    plots.plot_bars(tmp_path / "b.png", ["x"], bars, ylabel="y")
+    first, second = ({k: v for k, v in panel.items() if k != "_ylim"} for fig in figures for panel in fig.values())
+    assert first == second and len({style[0] for style in first.values()}) == 2
 
 
 def test_lasp2_does_not_hide_under_lasp1(figures, tmp_path):

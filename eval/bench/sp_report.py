@@ -291,7 +291,7 @@ def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
             panels.append((f"P={p}", series))
         images["sp_bytes"] = report.plot_panels(
             out_dir / "sp_bytes.png", panels, xlabel="sequence length N", ylabel="bytes per layer per rank (fwd + bwd)",
-            logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the spec's formula",
+            logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the spec's formula (dotted, in its method's colour)",
         )  # fmt: skip
     timed = sp["timed"]
     setting = (results.get("compute") or {}).get("setting", "measured")
