@@ -8,9 +8,9 @@
 - loads without this package: the model's code is written beside the weights and config.json names it
   in `auto_map` (models/export.py), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`
   works in plain transformers, and `from_pretrained(dir)` after `import models` as before;
-- is readable by others on a shared filesystem: transformers 5 writes model.safetensors through a
-  private temporary file (mode 0600); the files get the usual umask-respecting mode (0644 under umask
-  022) instead (`share_files`);
+- is readable by others on a shared filesystem: safetensors 0.8's `save_file` (what transformers 5
+  saves weights with) creates model.safetensors with mode 0600 whatever the umask; the files get the
+  usual umask-respecting mode (0644 under umask 022) instead (`share_files`);
 - carries no loading option of the machine that saved it: `tokenizer_config.json` would otherwise store
   `local_files_only: true` (train.data.load_tokenizer offline), which follows the checkpoint to machines
   that do have a hub.
@@ -120,8 +120,8 @@ def drop_loading_options(directory: str | Path) -> None:
 
 def share_files(directory: str | Path, since: float = 0.0) -> None:
     """Give the files written in `directory` since `since` (a time.time()) the mode a plain `open()` gives:
-    0666 less the process's umask (0644 under umask 022). transformers 5 writes weights through a private
-    temporary file (0600), which others on a shared filesystem cannot read."""
+    0666 less the process's umask (0644 under umask 022). safetensors 0.8 creates weight files 0600, which
+    others on a shared filesystem cannot read."""
     umask = os.umask(0)
     os.umask(umask)  # os.umask is the only way to read it; put it back at once
     mode = 0o666 & ~umask
