@@ -104,6 +104,18 @@ def test_config_json_with_unknown_field_refused(tmp_path):
             load(tmp_path)
 
 
+def test_another_architectures_checkpoint_loads_without_its_own_fields(tmp_path):
+    """A Ladder checkpoint read as a Llama (a load the type table allows): `ladder_layers` is the Ladder's,
+    left out by design; a field neither knows is still refused."""
+    models.build_model("ladder", **models.ZOO["ladder"].tiny_config).save_pretrained(tmp_path)
+    llama = models.ZooLlamaForCausalLM.from_pretrained(tmp_path)
+    assert type(llama.config) is ZooLlamaConfig and "ladder_layers" not in llama.config.to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "ladder_layerz": 3}))
+    with pytest.raises(ValueError, match="ZooLlamaConfig \\(zoo_llama\\) has no field 'ladder_layerz'"):
+        models.ZooLlamaForCausalLM.from_pretrained(tmp_path)
+
+
 def test_hydra_override_refused(tmp_path):
     from train.pretrain import train
 

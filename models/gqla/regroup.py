@@ -17,9 +17,9 @@ width, and folding what each old group had of its own into the query and the out
   W_UV^(g) ~= D_g W_UV^(G), O_h becomes O_h D_g; the same construction with R_g = (sum_h O_h^T O_h)^(1/2) in
   place of P_g and C standing for E[z z^T] (z is a convex combination of latents: an approximation).
 Exact when the stacked up-projections of each new group have rank <= d_nope (keys) and <= d_v (values), in
-particular when n_new = n_old; lossy otherwise, the cost measured in docs (validation loss on the bundled
-corpus) and by `python -m eval.gqla_regroup`. A cheap option is what the query and output absorb: the
-cache shrinks by n_old / n_new on the gqa path, the absorb path's [c ; k_r] does not change.
+particular when n_new = n_old; lossy otherwise: `python -m eval.gqla_regroup` measures the validation loss
+on the bundled corpus. The gqa path's cache shrinks by n_old / n_new; the absorb path's [c ; k_r] is the
+same (and computes the regrouped function too).
 """
 
 import torch

@@ -11,12 +11,15 @@ query low-rank path) would otherwise train or load a different model without a w
 the class and its bases (its dataclass fields and `attribute_map` aliases), and the keys transformers itself
 reads or drops in `PreTrainedConfig.__post_init__` / `from_dict` (`torch_dtype`, legacy `rope_theta` /
 `rope_scaling`, generation settings, ...) or that older config.json files carry (`STANDARD_FIELDS`).
+A config.json of another architecture that this one may load (a Ladder checkpoint read as a Llama) loads with
+that architecture's own fields left out (`without_fields_of_source`).
 """
 
 import dataclasses
 import difflib
 
 from transformers import GenerationConfig, LlamaConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 # Keys a config.json or a caller may pass that are not dataclass fields of PreTrainedConfig but that
 # transformers handles (reads, renames or drops) itself, or that config.json files written by transformers 4
@@ -86,6 +89,23 @@ def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads:
         raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings.")
 
 
+def without_fields_of_source(config_class, config_dict: dict) -> dict:
+    """A config.json of another architecture (its `model_type` differs: a Ladder checkpoint read by the zoo
+    llama, the loads models/common/causal_lm.py's LOADS_FROM allows) carries that architecture's own fields
+    (`ladder_layers`), which this class leaves out by design: they are dropped here, so that only fields
+    neither architecture knows (typos) are refused. An unregistered model_type drops nothing."""
+    source_type = config_dict.get("model_type")
+    if not source_type or source_type == config_class.model_type:
+        return config_dict
+    try:
+        source_class = CONFIG_MAPPING[source_type]
+    except KeyError:
+        return config_dict
+    theirs = known_fields(source_class) if dataclasses.is_dataclass(source_class) else set()
+    drop = theirs - known_fields(config_class)
+    return {k: v for k, v in config_dict.items() if k not in drop}
+
+
 class ZooLlamaConfig(LlamaConfig):
     model_type = "zoo_llama"
 
@@ -110,6 +130,7 @@ class ZooLlamaConfig(LlamaConfig):
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
+        config_dict = without_fields_of_source(cls, config_dict)
         out = super().from_dict(config_dict, **kwargs)
         # `config` or `(config, unused_kwargs)`, depending on `return_unused_kwargs`.
         config = out[0] if isinstance(out, tuple) else out
