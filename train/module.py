@@ -37,6 +37,7 @@ from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
+from train.cli import ExplainedError
 from train.data import next_token_targets
 from train.metrics import IGNORE_INDEX, summed_token_loss
 
@@ -45,12 +46,36 @@ NONFINITE_POLICIES = ("stop", "skip")
 log = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ExplainedError):
     """A failure explained in its message: `train.pretrain` reports it in one line, without a traceback."""
 
 
 class NonFiniteLossError(TrainingError):
     """The loss or the gradient of a step is NaN or infinite (`nonfinite_loss=stop`)."""
+
+
+class Interrupted(TrainingError):
+    """The run was stopped by SIGTERM (what schedulers send) after writing its checkpoint. Exit status 143
+    (128 + SIGTERM, the shell's convention for a process ended by that signal): not a success to a scheduler,
+    and a requeued job with the same run directory resumes from the checkpoint."""
+
+    exit_code = 143
+
+
+def nonfinite_tensors(state: dict, limit: int = 5) -> list[str]:
+    """The floating-point tensors of `state` holding NaN or infinite values, as `name (k NaN, j inf of n)`
+    (the first `limit`, then how many more)."""
+    found = []
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        if nan or inf:
+            parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+            found.append(f"{name} ({', '.join(p for p in parts if p)} of {tensor.numel()})")
+    if len(found) > limit:
+        found = [*found[:limit], f"and {len(found) - limit} more"]
+    return found
 
 
 def parallel_degrees(parallel: dict | None) -> dict[str, int]:
@@ -132,6 +157,14 @@ class CausalLMModule(L.LightningModule):
                     f"init_from={init_from} has a config that differs from the requested model in {differ}; "
                     f"its values are {({k: getattr(config, k) for k in differ})}."
                 )
+            # Training from NaN weights only ever gives NaN losses, whatever the optimizer settings.
+            bad = nonfinite_tensors(self.model.state_dict())
+            if bad:
+                raise TrainingError(
+                    f"Cannot train from init_from={init_from}: its weights hold non-finite values ({'; '.join(bad)}); "
+                    "training from them gives NaN losses whatever optimizer.lr is. Start from a checkpoint "
+                    "saved before they went bad, or convert / export it again."
+                )
         else:
             self.model = models.build_model(model_name, vocab_size=vocab_size, **model_config)
         check_degrees(model_name, self.model.config, self.degrees)
@@ -148,6 +181,7 @@ class CausalLMModule(L.LightningModule):
         self._val_tokens: torch.Tensor | None = None
         # the checkpoint's optimizer settings while resuming, until on_train_start applies ours
         self._resumed_optimizer_settings: dict | None = None
+        self._resumed_max_steps: int | None = None  # the checkpoint's trainer.max_steps, for on_train_start's note
         self._skip_update = False  # set by a skipped training_step for on_before_optimizer_step
         self._layout_applied = False
         self._sp_group = None  # the sequence-parallel group (configure_model), whose ranks split each sequence
@@ -399,9 +433,12 @@ class CausalLMModule(L.LightningModule):
             betas=tuple(hp["betas"]),
         )
         total_steps = int(self.trainer.estimated_stepping_batches)
+        # The warm-up is not shortened to fit max_steps: the lr of step k then does not depend on max_steps
+        # while k is in warm-up, so a run continued to a higher max_steps is the run that never stopped
+        # (train.pretrain warns when max_steps ends inside the warm-up). warmup_steps=0 is no warm-up.
         schedule = partial(
             warmup_cosine,
-            warmup_steps=max(1, min(hp["warmup_steps"], total_steps)),
+            warmup_steps=max(1, hp["warmup_steps"]),
             total_steps=total_steps,
             min_lr_ratio=hp["min_lr_ratio"],
         )
@@ -413,10 +450,14 @@ class CausalLMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["val_at_start"] = self.val_at_start
         checkpoint["val_history"] = self.val_history
+        # the horizon of the schedule the steps so far followed, for the note on resume
+        checkpoint["max_steps"] = self.trainer.max_steps
+        count_cut_epoch_as_unfinished(checkpoint, self.trainer)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.val_at_start = checkpoint.get("val_at_start")
         self.val_history = list(checkpoint.get("val_history", []))
+        self._resumed_max_steps = checkpoint.get("max_steps")
         # Lightning restores the optimizer and schedule with the checkpoint's lr, betas and weight
         # decay after this hook; on_train_start replaces them with this run's.
         self._resumed_optimizer_settings = checkpoint.get("hyper_parameters", {}).get("optimizer")
@@ -425,6 +466,16 @@ class CausalLMModule(L.LightningModule):
         if self._resumed_optimizer_settings is not None:
             self._apply_optimizer_settings(self._resumed_optimizer_settings)
             self._resumed_optimizer_settings = None
+        saved, now = self._resumed_max_steps, self.trainer.max_steps
+        if saved is not None and saved != now and self.trainer.is_global_zero:
+            step, warmup = self.trainer.global_step, self.hparams.optimizer["warmup_steps"]
+            past = (
+                f"; steps {warmup}..{step - 1} already followed the decay towards step {saved}"
+                if step > warmup
+                else " (the steps so far were all warm-up, which does not depend on it)"
+            )
+            log.info(f"trainer.max_steps changed {saved} -> {now} on resume: the cosine decay now ends at step {now}{past}")
+        self._resumed_max_steps = None
 
     def _apply_optimizer_settings(self, saved: dict) -> None:
         """Puts this run's `optimizer.*` settings into the optimizer and schedule restored from a
@@ -448,6 +499,27 @@ class CausalLMModule(L.LightningModule):
             for key in sorted(hp):
                 if key in saved and saved[key] != hp[key]:
                     log.info(f"optimizer.{key} changed {saved[key]} -> {hp[key]} on resume: applied")
+
+
+def count_cut_epoch_as_unfinished(checkpoint: dict, trainer: L.Trainer) -> None:
+    """A checkpoint written after fit stopped at `trainer.max_steps` in the middle of an epoch: saved as the
+    middle of that epoch, the fit loop's state in every periodic checkpoint (epoch started, not processed).
+
+    Lightning's FitLoop counts the epoch that max_steps cut short as processed and completed; a run continued
+    from that state (a higher max_steps) would start the next epoch, reshuffled, skipping the rest of this
+    one, while the same run never stopped goes on with this epoch's next batch. The train loader's own
+    position (`ResumableDataLoader`, batches consumed) is in the checkpoint either way."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fit or trainer.max_steps is None or trainer.global_step < trainer.max_steps:
+        return
+    epoch, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]["current"]
+    current = epoch["current"]
+    counted_done = current["ready"] == current["started"] == current["processed"] == current["completed"] > 0
+    batches_left = batches["completed"] < trainer.num_training_batches
+    if counted_done and batches_left:
+        for progress in (epoch["total"], epoch["current"]):
+            progress["processed"] -= 1
+            progress["completed"] -= 1
 
 
 class PrintValPerplexity(L.Callback):

@@ -40,6 +40,7 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -48,8 +49,18 @@ import models
 from models.checkpoint import save_checkpoint
 from parallel.layout import PARALLEL_NAMES
 from parallel.state import full_state_dict
+from train.callbacks import StallNotice, StopOnSigterm
+from train.cli import one_sentence_errors
 from train.data import CORPUS, is_local_source
-from train.module import CausalLMModule, TrainingError, check_degrees, parallel_degrees
+from train.module import (
+    NONFINITE_POLICIES,
+    CausalLMModule,
+    Interrupted,
+    TrainingError,
+    check_degrees,
+    nonfinite_tensors,
+    parallel_degrees,
+)
 from train.strategy import ZooParallelStrategy
 
 log = logging.getLogger(__name__)
@@ -144,9 +155,12 @@ def check_config(cfg: DictConfig) -> None:
             f"data.seq_len={cfg.data.seq_len} is longer than model.config.max_position_embeddings="
             f"{max_positions}; use data.seq_len<={max_positions} or raise max_position_embeddings."
         )
-    lr = cfg.optimizer.lr
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-        raise ValueError(f"optimizer.lr={lr!r} must be a positive number (the default is 3.0e-3).")
+    check_optimizer(cfg.optimizer)
+    check_training_length(cfg)
+    if cfg.get("nonfinite_loss", "stop") not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite_loss={cfg.nonfinite_loss!r}; use one of {', '.join(NONFINITE_POLICIES)}.")
+    if not isinstance(cfg.get("overwrite", False), bool):
+        raise ValueError(f"overwrite={cfg.overwrite!r} must be true or false.")
 
     # A local path that does not exist (the hub is only asked later, by the data module).
     if cfg.data.get("tokenizer") is not None:
@@ -198,11 +212,116 @@ def check_config(cfg: DictConfig) -> None:
                 f"{num_nodes} starts {n_devices * num_nodes}; set trainer.devices={world // num_nodes} (or "
                 f"leave it auto: the degrees decide){data_parallel}."
             )
+    check_launcher_world(cfg, layout, world)
+    sp = degrees["sp"]
+    if sp > 1 and cfg.data.seq_len % sp:
+        seq_len = cfg.data.seq_len
+        lower, upper = seq_len - seq_len % sp, seq_len + sp - seq_len % sp
+        fits = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"data.seq_len={seq_len} does not split over parallel.sp={sp} ranks (each holds seq_len / sp tokens "
+            f"of every sequence); use data.seq_len={fits}."
+        )
     # The architecture's own check of the degrees, before any process starts (the module checks again,
     # with the config of an init_from checkpoint too).
     if world > 1 and not cfg.model.get("init_from"):
         model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
         check_degrees(cfg.model.name, models.build_config(cfg.model.name, **model_config), degrees)
+
+
+OPTIMIZER_DEFAULTS = {"lr": 3.0e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup_steps": 100, "min_lr_ratio": 0.1}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_optimizer(optimizer: DictConfig) -> None:
+    """Every `optimizer.*` value in its range, and no key the module would ignore (`+optimizer.lrr=...`)."""
+    unknown = sorted(set(optimizer) - set(OPTIMIZER_DEFAULTS))
+    if unknown:
+        import difflib
+
+        near = {k: difflib.get_close_matches(k, list(OPTIMIZER_DEFAULTS), n=1) for k in unknown}
+        hints = ", ".join(f"optimizer.{k}" + (f" (did you mean optimizer.{n[0]}?)" if n else "") for k, n in near.items())
+        raise ValueError(f"Unknown optimizer setting {hints}; the settings are {', '.join(OPTIMIZER_DEFAULTS)}.")
+    lr, warmup, ratio = optimizer.get("lr"), optimizer.get("warmup_steps"), optimizer.get("min_lr_ratio")
+    decay, betas = optimizer.get("weight_decay"), optimizer.get("betas")
+    if not _is_number(lr) or lr <= 0:
+        raise ValueError(f"optimizer.lr={lr!r} must be a positive number (the default is 3.0e-3).")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(
+            f"optimizer.warmup_steps={warmup!r} must be an integer >= 0 (optimizer steps of linear warm-up; 0: none)."
+        )
+    if not _is_number(ratio) or not 0 <= ratio <= 1:
+        raise ValueError(
+            f"optimizer.min_lr_ratio={ratio!r} must be in [0, 1] (the cosine decay ends at min_lr_ratio x optimizer.lr)."
+        )
+    if not _is_number(decay) or decay < 0:
+        raise ValueError(f"optimizer.weight_decay={decay!r} must be a number >= 0.")
+    if (
+        not OmegaConf.is_list(betas)
+        or len(betas) != 2
+        or not all(_is_number(b) and 0 <= b < 1 for b in betas)
+    ):
+        shown = OmegaConf.to_container(betas) if OmegaConf.is_list(betas) else betas
+        raise ValueError(f"optimizer.betas={shown!r} must be two numbers in [0, 1), e.g. [0.9, 0.95].")
+
+
+def check_training_length(cfg: DictConfig) -> None:
+    """`trainer.max_steps` (the schedule and the progress bar count optimizer steps) and the intervals."""
+    trainer = cfg.trainer
+    max_steps = trainer.get("max_steps")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+        raise ValueError(
+            f"trainer.max_steps={max_steps!r} must be an integer >= 1 (training length in optimizer steps; the "
+            "lr schedule decays to it)."
+        )
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1.")
+    interval = trainer.get("val_check_interval")
+    if interval is not None and (
+        not _is_number(interval) or (isinstance(interval, int) and interval < 1) or (isinstance(interval, float) and not 0 < interval <= 1)
+    ):
+        raise ValueError(
+            f"trainer.val_check_interval={interval!r} must be an integer >= 1 (training batches between validations) "
+            "or a fraction of an epoch in (0, 1]."
+        )
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and (not _is_number(clip) or clip < 0):
+        raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping).")
+
+
+def check_launcher_world(cfg: DictConfig, layout: str, world: int) -> None:
+    """Under torchrun the processes are already started (Lightning's TorchElasticEnvironment starts none):
+    their number must be the one the config trains with, or each would train its own copy (parallel=none)
+    or the mesh would fail once every process is up. Checked before anything is built."""
+    if not (dist.is_available() and dist.is_torchelastic_launched()):
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = "torchrun"
+    strategy = cfg.trainer.get("strategy")
+    if strategy is None:
+        needed = world
+    else:  # trainer=ddp: Lightning's DDP over trainer.devices x trainer.num_nodes processes
+        devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+        if not isinstance(devices, int) or not isinstance(num_nodes, int):
+            return
+        needed = devices * num_nodes
+    if launched == needed:
+        return
+    if strategy is None and world == 1:
+        raise ValueError(
+            f"{launcher} started {launched} processes (WORLD_SIZE={launched}), but parallel=none trains in one: each "
+            f"would train its own copy into the same run directory; pass parallel.dp={launched} for data "
+            "parallelism over them, or start one process."
+        )
+    what = layout if strategy is None else f"trainer.devices={cfg.trainer.devices} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}"
+    raise ValueError(
+        f"{launcher} started {launched} processes (WORLD_SIZE={launched}), but {what} needs {needed}; start "
+        f"{needed} (torchrun --nproc-per-node={needed} on one node) or change the degrees."
+    )
 
 
 def trainer_devices(cfg: DictConfig):
@@ -252,8 +371,98 @@ def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
         changes = ", ".join(f"{key}={then[key]!r} there but {now[key]!r} here" for key in differ)
         raise ValueError(
             f"Cannot resume from {ckpt_path}: {changes}; use the checkpoint's settings, another run "
-            "directory or resume=never."
+            "directory (hydra.run.dir=...) or resume=never overwrite=true to replace that run."
         )
+
+
+def check_checkpoint_contents(ckpt_path: str, max_steps: int) -> int:
+    """The checkpoint's step, if training can continue from it: not already past `max_steps`, and weights
+    without NaN or infinite values (from which every loss is NaN, whatever the optimizer settings)."""
+    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    step = int(checkpoint.get("global_step", 0))
+    if step > max_steps:
+        raise TrainingError(
+            f"Cannot resume: {ckpt_path} is at step {step}, already past trainer.max_steps={max_steps}; pass "
+            f"trainer.max_steps>={step} to continue it, or another hydra.run.dir for a new run."
+        )
+    bad = nonfinite_tensors(checkpoint.get("state_dict", {}))
+    if bad:
+        raise TrainingError(
+            f"Cannot train from {ckpt_path} (step {step}): its weights hold non-finite values ({'; '.join(bad)}); "
+            "every loss from them is NaN whatever optimizer.lr is. Resume from a checkpoint saved before "
+            "(resume=<path>), or start over with resume=never overwrite=true."
+        )
+    return step
+
+
+def describe_run(output_dir: Path) -> str | None:
+    """What of an earlier run `output_dir` holds that a new run would overwrite, in words; None if nothing."""
+    held = []
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        try:
+            saved = torch.load(last, map_location="cpu", mmap=True, weights_only=False)
+            name = saved.get("hyper_parameters", {}).get("model_name", "?")
+            held.append(f"checkpoints/last.ckpt of {name} at step {saved.get('global_step', '?')}")
+        except Exception:  # unreadable: still something a new run would replace
+            held.append("checkpoints/last.ckpt (unreadable)")
+    hf_config = output_dir / "hf" / "config.json"
+    if hf_config.is_file():
+        import json
+
+        try:
+            model_type = json.loads(hf_config.read_text()).get("model_type", "?")
+        except ValueError:
+            model_type = "?"
+        held.append(f"hf/ ({model_type})")
+    return " and ".join(held) or None
+
+
+def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
+    """Refuses a run that would overwrite another run's `checkpoints/last.ckpt` or `hf/` without continuing it
+    (resume=never, resume=<a checkpoint elsewhere>, or resume=auto over an hf/ without a checkpoint), unless
+    `overwrite=true`: then those are removed first, so that a rerun of this directory can only resume this
+    run."""
+    held = describe_run(output_dir)
+    if held is None:
+        return
+    resume = str(cfg.get("resume", "auto"))
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if resume == "auto" and last.is_file():
+        return  # a continuation (check_checkpoint_fits refuses one of another model)
+    if resume not in ("auto", "never") and Path(resume).resolve().parent == last.parent.resolve():
+        return  # an earlier checkpoint of this very run
+    if cfg.get("overwrite", False):
+        if int(os.environ.get("RANK", "0")) == 0:
+            last.unlink(missing_ok=True)
+            import shutil
+
+            shutil.rmtree(output_dir / "hf", ignore_errors=True)
+            log_info(f"overwrite=true: removed the earlier run's {held} from {output_dir}")
+        return
+    why = {
+        "never": "resume=never starts a new run",
+        "auto": "resume=auto finds no checkpoint of it to continue",
+    }.get(resume, f"resume={resume} continues a checkpoint from elsewhere")
+    raise ValueError(
+        f"The run directory {output_dir} already holds another run ({held}), which this one would overwrite "
+        f"({why}); pass overwrite=true to replace it on purpose, or choose another hydra.run.dir."
+    )
+
+
+def checkpoint_on_disk(output_dir: Path) -> str:
+    """What a rerun of this run directory would resume from, in words (for a run that ended with an error)."""
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        return (
+            f"No checkpoint was written yet ({last} does not exist): the same command with "
+            f"hydra.run.dir={output_dir} starts over."
+        )
+    problem = checkpoint_problem(last)
+    if problem is not None:
+        return f"The last checkpoint, {last}, cannot be loaded ({problem})."
+    step = torch.load(last, map_location="cpu", mmap=True, weights_only=False).get("global_step", "?")
+    return f"The last checkpoint, {last} (step {step}), is intact: the same command with hydra.run.dir={output_dir} resumes from it."
 
 
 def generate_samples(model, tokenizer, sample: DictConfig) -> list[str]:
@@ -338,7 +547,29 @@ def lost_rank(trainer: L.Trainer) -> str:
         if trainer.global_rank != 0 and os.getppid() != _PARENT_PID:
             return f"rank 0 (pid {_PARENT_PID}) is gone"
         time.sleep(0.1)
+    stopped = [(rank, p) for rank, p in enumerate(children, start=1) if process_state(p.pid) == "T"]
+    if stopped:
+        return ", ".join(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger)" for rank, p in stopped)
     return "another rank stopped answering"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a Linux process (R running, S sleeping, T stopped, ...), None if unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def end_other_ranks(trainer: L.Trainer) -> list[int]:
+    """Rank 0 kills the ranks it started that are still there (stopped or hung ones would otherwise outlive
+    the command, holding their devices); SIGKILL, the one signal a stopped process obeys. Their pids."""
+    children = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+    for p in children:
+        p.kill()
+    for p in children:
+        p.wait(timeout=10)
+    return [p.pid for p in children]
 
 
 @contextmanager
@@ -347,22 +578,40 @@ def explain_lost_ranks(trainer: L.Trainer, output_dir: Path):
     process group's timeout, `parallel.timeout_s`) into a `TrainingError` that names that rank."""
     try:
         yield
+    except TrainingError:
+        raise
     except RuntimeError as error:
         collective = isinstance(error, dist.DistError) or "gloo" in str(error)
         if trainer.world_size == 1 or not collective:
             raise
         detail = str(error).splitlines()[0][:300]
+        lost = lost_rank(trainer)
+        ended = end_other_ranks(trainer) if trainer.global_rank == 0 else []
+        killed = f" Killed the ranks still running (pids {', '.join(map(str, ended))})." if ended else ""
         raise TrainingError(
-            f"Rank {trainer.global_rank} stopped at step {trainer.global_step}: {lost_rank(trainer)}, so "
-            f"a collective failed ({detail}). That rank's own output says why. The last checkpoint is "
-            f"intact: the same command with hydra.run.dir={output_dir} resumes from it."
+            f"Rank {trainer.global_rank} stopped at step {trainer.global_step}: {lost}, so a collective failed "
+            f"({detail}).{killed} That rank's own output says why. {checkpoint_on_disk(output_dir)}"
         ) from error
+
+
+@contextmanager
+def sigterm_outside_fit(trainer: L.Trainer, output_dir: Path):
+    """SIGTERM in a validation outside fit (step 0, the final one): Lightning stops with SIGTERMException, a
+    SystemExit with status 0; it becomes `Interrupted` (exit status 143) saying what is on disk. (During fit
+    `StopOnSigterm` writes the checkpoint first.)"""
+    try:
+        yield
+    except SIGTERMException:
+        raise Interrupted(
+            f"Stopped by SIGTERM at step {trainer.global_step} (in a validation). {checkpoint_on_disk(output_dir)}"
+        ) from None
 
 
 def train(cfg: DictConfig) -> dict:
     """Runs one pretraining job; returns its metrics and output paths (the same on every rank)."""
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir).resolve()
+    check_run_directory(cfg, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
@@ -378,8 +627,34 @@ def train(cfg: DictConfig) -> dict:
         init_from=cfg.model.get("init_from"),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
     )
+    # The checkpoint to continue from, checked before any process starts: the same model, not past
+    # max_steps, finite weights.
+    ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
+    if ckpt_path is not None:
+        ckpt_path = readable_checkpoint(ckpt_path, fall_back=str(cfg.get("resume")) == "auto")
+        check_checkpoint_fits(ckpt_path, module)
+        resumed_step = check_checkpoint_contents(ckpt_path, cfg.trainer.max_steps)
+        if resumed_step == cfg.trainer.max_steps:
+            log_info(f"{ckpt_path} is already at trainer.max_steps={resumed_step}: nothing left to train.")
+    warmup = cfg.optimizer.warmup_steps
+    if warmup > cfg.trainer.max_steps:
+        log_warning(
+            f"optimizer.warmup_steps={warmup} is more than trainer.max_steps={cfg.trainer.max_steps}: the lr "
+            f"ends the run still warming up, at {cfg.trainer.max_steps}/{warmup} of optimizer.lr (a continuation "
+            "to a higher max_steps goes on warming up)."
+        )
+
     name_multirun_job(cfg)
     callbacks = instantiate_group(cfg.get("callbacks"))
+    last_ckpt = output_dir / "checkpoints" / "last.ckpt"
+    checkpoint_callback = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
+    if checkpoint_callback is not None and checkpoint_callback.dirpath:
+        last_ckpt = Path(checkpoint_callback.dirpath) / "last.ckpt"
+    # Not configurable: what SIGTERM and a stalled rank do is part of what a run promises.
+    callbacks += [
+        StopOnSigterm(last_ckpt, resume_hint=f": the same command with hydra.run.dir={output_dir} resumes from it"),
+        StallNotice(timeout_s=(cfg.get("parallel") or {}).get("timeout_s")),
+    ]
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg, callbacks, loggers)
     for logger in trainer.loggers:
@@ -396,15 +671,11 @@ def train(cfg: DictConfig) -> dict:
     elif trainer.world_size > 1:
         log_info(f"data parallel: {trainer.world_size} processes ({type(trainer.strategy).__name__})")
 
-    ckpt_path = find_resume_checkpoint(cfg.get("resume"), output_dir)
-    if ckpt_path is not None:
-        ckpt_path = readable_checkpoint(ckpt_path, fall_back=str(cfg.get("resume")) == "auto")
-    with explain_lost_ranks(trainer, output_dir):
+    with explain_lost_ranks(trainer, output_dir), sigterm_outside_fit(trainer, output_dir):
         if ckpt_path is None:
             metrics = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
             module.val_at_start = {"loss": metrics["val/loss"], "ppl": metrics["val/ppl"]}
         else:
-            check_checkpoint_fits(ckpt_path, module)
             # val_at_start comes back from the checkpoint (CausalLMModule.on_load_checkpoint)
             log_info(f"Resuming from {ckpt_path}")
 
@@ -481,9 +752,11 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
     except TrainingError as error:
+        # explained in its message: one line on the console and in <run dir>/pretrain.log, no traceback
         log.error(str(error))
-        raise SystemExit(1) from None
+        raise SystemExit(error.exit_code) from None
 
 
 if __name__ == "__main__":
-    main()
+    # config errors (Hydra's and check_config's) as one sentence too; HYDRA_FULL_ERROR=1 for the traceback
+    one_sentence_errors(main)()

@@ -1,0 +1,152 @@
+"""The console side of the zoo's Hydra entry points: an error the user can fix is one sentence, not a traceback.
+
+`one_sentence_errors(main)` wraps a `@hydra.main` function (train.pretrain's; eval's entry points can use
+it the same way):
+
+    if __name__ == "__main__":
+        one_sentence_errors(main)()
+
+A config error (a Hydra override or group that does not exist, a value a check refused, a file that
+cannot be read or written, an `ExplainedError` such as train's `TrainingError`) is then printed as one
+line, `Error: <what and what to do>`, and the command exits with status 1 (or the error's `exit_code`).
+Hydra itself prints such errors inside a 15-30 line traceback whose last line alone says it. With
+`HYDRA_FULL_ERROR=1` set by the user, everything propagates unchanged and Hydra's full traceback is
+printed, as Hydra documents. Any other exception (a bug, not a bad input) keeps its full traceback.
+
+How: Hydra re-raises instead of printing when HYDRA_FULL_ERROR is set, so the wrapper sets it for the call
+(with a marker variable, so that processes started by the run, such as Lightning's other ranks, still know
+the user did not ask for it) and turns the exception it catches into the sentence.
+"""
+
+import difflib
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    InstantiationException,
+    MissingConfigException,
+)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+# Set together with HYDRA_FULL_ERROR by the wrapper: "HYDRA_FULL_ERROR is ours, not the user's".
+_SET_BY_US = "OVERLAP_ZOO_ONE_SENTENCE_ERRORS"
+
+
+class ExplainedError(RuntimeError):
+    """A failure whose message says what happened and what to do: printed as one line, no traceback.
+
+    `exit_code` is the command's exit status (1 unless a subclass says otherwise)."""
+
+    exit_code = 1
+
+
+def full_traceback_requested() -> bool:
+    """Whether the user set HYDRA_FULL_ERROR (to anything but 0 or empty), as opposed to this wrapper."""
+    value = os.environ.get(FULL_ERROR, "")
+    return value not in ("", "0") and not os.environ.get(_SET_BY_US)
+
+
+def _not_in_struct(error) -> str | None:
+    """`trainer.max_step=4` (a key the config does not have): the key and its nearest known names."""
+    cause = error.__cause__
+    if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or "not in struct" not in str(cause):
+        return None
+    full_key = str(cause.full_key or cause.key)
+    parent = cause.parent_node
+    known = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
+    prefix = full_key.rpartition(".")[0]
+    where = f"{prefix}." if prefix else ""
+    near = difflib.get_close_matches(str(cause.key), known, n=3, cutoff=0.6)
+    if near:
+        hint = "did you mean " + " or ".join(f"{where}{k}" for k in near) + "?"
+    else:
+        hint = f"the settings there are {', '.join(known)}." if known else "check its spelling."
+    return f"{full_key} is not a setting of this config; {hint}"
+
+
+def _missing_config(error) -> str:
+    """`trainer=gpux`: Hydra's several lines as one: what is missing and the options there are."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    options: list[str] = []
+    group = None
+    for i, line in enumerate(lines):
+        if line.startswith("Available options in"):
+            group = line.removeprefix("Available options in").strip(" :")
+            for option in lines[i + 1 :]:
+                if option.startswith("Config search path"):
+                    break
+                options.append(option)
+            break
+    if not options:
+        return lines[0] if lines else type(error).__name__
+    return f"{lines[0]}; the options in {group} are {', '.join(options)}."
+
+
+def explain(error: BaseException) -> str | None:
+    """The one sentence for an error the user can fix by changing the command; None for anything else."""
+    # instantiate wraps what the target raised ("Error in call to target '...': ValueError(...)")
+    if isinstance(error, InstantiationException) and error.__cause__ is not None:
+        return explain(error.__cause__) or _first_lines(error)
+    # Hydra's job logging cannot open <run dir>/<job>.log: a read-only or unwritable run directory
+    if isinstance(error, ValueError) and str(error).startswith("Unable to configure handler"):
+        cause = error.__cause__
+        if isinstance(cause, OSError):
+            path = cause.filename or "its log file"
+            directory = os.path.dirname(str(cause.filename)) if cause.filename else "the run directory"
+            return (
+                f"Cannot write the run directory {directory} ({cause.strerror or cause}: {path}); "
+                "pass a writable one with hydra.run.dir=<dir> (or paths.log_dir=<dir> for the parent of run directories)."
+            )
+    if isinstance(error, ConfigCompositionException):
+        return _not_in_struct(error) or _first_lines(error)
+    if isinstance(error, MissingConfigException):
+        return _missing_config(error)
+    if isinstance(error, OSError) and error.filename and error.strerror:
+        # raised by the OS (open, mkdir): "[Errno 13] Permission denied: '/x'"
+        return f"{error.strerror}: {error.filename}."
+    if isinstance(error, (ValueError, OSError, ExplainedError, HydraException, OmegaConfBaseException)):
+        return _first_lines(error)
+    return None
+
+
+def _first_lines(error: BaseException, limit: int = 3) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return " ".join(line.strip() for line in lines[:limit]) or type(error).__name__
+
+
+def _write_to_log_files(sentence: str) -> None:
+    """Also into the run's log file when Hydra's job logging has opened one (`<run dir>/pretrain.log`)."""
+    record = logging.LogRecord("overlap_zoo", logging.ERROR, __file__, 0, f"Error: {sentence}", None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def one_sentence_errors(main: Callable[..., Any]) -> Callable[..., Any]:
+    """`main` (a `@hydra.main` function) with a fixable error printed as one line and exit status 1."""
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if full_traceback_requested():
+            return main(*args, **kwargs)
+        os.environ[FULL_ERROR] = "1"
+        os.environ[_SET_BY_US] = "1"
+        try:
+            return main(*args, **kwargs)
+        except Exception as error:
+            sentence = explain(error)
+            if sentence is None:
+                raise
+            _write_to_log_files(sentence)
+            sys.stdout.flush()
+            sys.stderr.write(f"Error: {sentence}\n(Set HYDRA_FULL_ERROR=1 for the full traceback.)\n")
+            raise SystemExit(getattr(error, "exit_code", 1)) from None
+
+    return run
