@@ -2,7 +2,8 @@
 field is refused with one error naming it and the nearest known field, on every path a config takes:
 
 - the config class / `models.build_config` / `models.build_model` keywords;
-- `from_pretrained` / `AutoConfig` / `AutoModelForCausalLM` of a config.json that carries it;
+- `from_pretrained` / `AutoConfig` / `AutoModelForCausalLM` of a config.json that carries it, and a config's
+  `from_pretrained(dir, field=value)` override;
 - Hydra overrides of the pretraining app (`+model.config.num_local_expert=4`).
 
 And what must keep loading does: transformers' standard fields (dtype / torch_dtype, architectures, auto_map,
@@ -102,6 +103,11 @@ def test_config_json_with_unknown_field_refused(tmp_path):
     for load in (type(config).from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
         with pytest.raises(ValueError, match=match):
             load(tmp_path)
+    path.write_text(json.dumps(saved))
+    # ... and as a keyword override of from_pretrained, which transformers would drop silently
+    with pytest.raises(ValueError, match=match):
+        type(config).from_pretrained(tmp_path, num_local_expert=4)
+    assert type(config).from_pretrained(tmp_path, num_local_experts=3).num_local_experts == 3
 
 
 def test_another_architectures_checkpoint_loads_without_its_own_fields(tmp_path):

@@ -43,6 +43,10 @@ STANDARD_FIELDS = frozenset(
 )
 
 
+# from_dict keywords that are loading options, not config fields.
+LOADING_KWARGS = frozenset({"return_unused_kwargs", "_from_auto", "_from_pipeline", "gguf_file", "trust_remote_code"})
+
+
 def known_fields(config_class) -> set[str]:
     """The field names `config_class(...)` / its config.json may carry: the dataclass fields of the class
     and its bases, their `attribute_map` aliases, transformers' standard keys and generation settings."""
@@ -131,6 +135,11 @@ class ZooLlamaConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         config_dict = without_fields_of_source(cls, config_dict)
+        if not kwargs.get("return_unused_kwargs"):
+            # `Config.from_pretrained(dir, field=value)`: transformers sets the overrides it knows and drops
+            # the rest without a word. (A model's from_pretrained asks for the unused ones back and hands
+            # them to the model's __init__, which refuses them itself.)
+            check_fields(cls, [k for k in kwargs if k not in LOADING_KWARGS])
         out = super().from_dict(config_dict, **kwargs)
         # `config` or `(config, unused_kwargs)`, depending on `return_unused_kwargs`.
         config = out[0] if isinstance(out, tuple) else out
