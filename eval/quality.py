@@ -382,4 +382,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # a bad input: one line and exit status 1 (HYDRA_FULL_ERROR=1: the full traceback)
+    from train.cli import one_sentence_errors
+
+    one_sentence_errors(main)()
