@@ -9,6 +9,20 @@ block of its own. The Llama fields describe ONE stream:
 - `num_hidden_layers` (L) counts layers, each holding k streams.
 
 The conjunction `W_conj . concat_i(s_i) + b` maps the k streams (k * d') back to d' after the last layer.
+`conjunction_init` says how W_conj starts (b starts at 0 in every case; modeling.py applies it):
+
+- "random" (default): every entry N(0, initializer_range^2), as every other linear layer. This is what the
+  authors' training code does (rohan-bp/kraken, training/model.py: nanoGPT's `_init_weights` gives every
+  nn.Linear, the conjunction included, N(0, 0.02^2) and a zero bias; only the `c_proj` output projections
+  get the residual scaling). At init the model's output is LN_f of a random projection of the streams.
+- "mean": W_conj = (1/k) [I I ... I], so that at init y = LN_f(mean_i s_i), the average of the streams;
+  at k = 1 the conjunction is the identity and the model is exactly a Llama (plus a trainable d' x d' layer).
+- "identity": W_conj = [I I ... I], so that at init y = LN_f(sum_i s_i), the sum S that every layer's MLP
+  reads (at k = 1 the identity). Under RMSNorm it computes "mean"'s function at init (LN_f(k x) = LN_f(x) up to
+  the norm's eps); it differs in the size of W_conj's entries (1 against 1/k), which Adam's per-entry steps
+  and weight decay see differently.
+
+A checkpoint keeps its trained W_conj: `conjunction_init` acts at initialisation only.
 
 Parameter matching (comparison with `llama` at equal size): `match_llama_parameters(llama, k)` picks the
 d' whose Kraken has the parameter count closest to `llama`'s. Each stream gets llama's heads / k query
@@ -33,12 +47,15 @@ _NOT_COPIED = ("model_type", "architectures", "transformers_version")
 # A Kraken stream's MLP is half as wide, relative to its width, as the baseline's: the paper's streams use
 # ffn_expansion 2 against GPT-2's 4, which is what makes its matched widths (678 at k=2, ...) come out.
 FFN_SCALE = 0.5
+# How the conjunction W_conj starts (see the module docstring).
+CONJUNCTION_INITS = ("random", "mean", "identity")
 
 
 class ZooKrakenConfig(ZooLlamaConfig):
     model_type = "zoo_kraken"
 
     kraken_degree: int = 2
+    conjunction_init: str = "random"
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
@@ -48,6 +65,12 @@ class ZooKrakenConfig(ZooLlamaConfig):
             raise ValueError(
                 f"kraken_degree={k!r} must be a positive integer: the number of streams per layer, which is "
                 "also the TP degree the model runs at (1 = a plain Llama with a conjunction)."
+            )
+        if self.conjunction_init not in CONJUNCTION_INITS:
+            raise ValueError(
+                f"conjunction_init={self.conjunction_init!r} must be one of {', '.join(CONJUNCTION_INITS)}: how the "
+                "conjunction W_conj starts (random: N(0, initializer_range^2), the authors' code; mean: the average "
+                "of the streams; identity: their sum)."
             )
         if self.head_dim <= 0:
             raise ValueError(

@@ -10,6 +10,9 @@ Stream i, as in the spec (S is the sum of all k streams of the previous layer):
         s_i = a_i + MLP_i(LN2_i(a_i - s_i + wait(S)))    the MLP reads attention output + sum of streams
     y = LN_f(W_conj . concat_i(s_i) + b)                 row-split: one more all-reduce, then the bias
 
+W_conj starts as `config.conjunction_init` says (configuration.py): "random" (default, the authors' code),
+"mean" (y = LN_f(mean_i s_i) at init) or "identity" (y = LN_f(sum_i s_i) at init); b starts at 0.
+
 In one process all k streams are local, so their local sum is S and the all-reduce is the identity;
 after `parallel.parallelize` at TP degree k rank i holds stream i alone and the all-reduce sums over
 ranks. Each stream is a Llama decoder block (the shared pre-norm block), with its names:
@@ -62,6 +65,12 @@ class ZooKrakenPreTrainedModel(ZooPreTrainedModel):
                 init.zeros_(module.bias)
             return
         super()._init_weights(module)
+        if getattr(module, "_kraken_conjunction", False):
+            # After the normal init above (which drew from the generator all the same, so that the other
+            # weights do not depend on this choice); init.copy_ leaves a weight loaded from a checkpoint alone.
+            weight = conjunction_weight(self.config, module.weight)
+            if weight is not None:
+                init.copy_(module.weight, weight)
         if isinstance(module, ZooKrakenModel) and hasattr(module, "conjunction_bias"):  # not yet in the first pass
             init.zeros_(module.conjunction_bias)
 
@@ -72,6 +81,7 @@ class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
         d, k = config.hidden_size, config.kraken_degree
         # W_conj and b kept apart: under TP W_conj is row-split and b must be added once, after the sum.
         self.conjunction = nn.Linear(k * d, d, bias=False)
+        self.conjunction._kraken_conjunction = True  # _init_weights gives it `config.conjunction_init`
         self.conjunction_bias = nn.Parameter(torch.zeros(d))
         self.tp_group = None  # set by parallel.parallelize; None = single device
         self.post_init()  # the base class initialised everything but the conjunction
@@ -113,6 +123,17 @@ class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
         # the partial products are summed, and the bias is added once.
         partial = self.conjunction(torch.cat(streams, dim=-1))
         return comm.all_reduce(partial, group).wait() + self.conjunction_bias
+
+
+def conjunction_weight(config: ZooKrakenConfig, like: torch.Tensor) -> torch.Tensor | None:
+    """W_conj at init for `config.conjunction_init` (d' x k d', as `like`): k blocks of I / k ("mean") or of I
+    ("identity") side by side; None for "random" (nn.Linear's normal init stands)."""
+    if config.conjunction_init == "random":
+        return None
+    d, k = config.hidden_size, config.kraken_degree
+    scale = 1.0 / k if config.conjunction_init == "mean" else 1.0
+    eye = torch.eye(d, dtype=like.dtype, device=like.device) * scale
+    return eye.repeat(1, k)
 
 
 def _reserve_cache_layers(cache: Cache | None, n: int) -> Cache | None:
