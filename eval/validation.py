@@ -72,13 +72,14 @@ def finish_row(row: dict) -> dict:
 
 def run_validation(cfg: dict, out_dir: Path, command: str = "") -> dict:
     started = time.perf_counter()
+    papers = [heldout.module(paper) for paper in cfg["papers"]]  # an unknown paper fails here, before any work
     out_dir.mkdir(parents=True, exist_ok=True)
     ladder = cm.run_costmodel(cfg["ladder"], out_dir / "ladder", command=f"{command} (its Ladder part)")
     rows = []
-    for paper in cfg["papers"]:
+    for paper, mod in zip(cfg["papers"], papers, strict=True):
         print(f"[validation] {paper} ...", flush=True)
         t0 = time.perf_counter()
-        row = finish_row(heldout.module(paper).validate(quick=bool(cfg["quick"])))
+        row = finish_row(mod.validate(quick=bool(cfg["quick"])))
         row["key"], row["elapsed_s"] = paper, time.perf_counter() - t0
         rows.append(row)
     result = {
@@ -242,6 +243,7 @@ def main(cfg: DictConfig) -> None:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
+    report.refuse_wandb_logger(cfg, "eval.validation")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
     ladder_overrides = list(cfg.ladder_overrides) + (list(cfg.quick_ladder_overrides) if cfg.quick else [])
     plain = {**_plain(cfg), "ladder": _plain(compose("costmodel", overrides=ladder_overrides))}
@@ -254,4 +256,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # a bad input: one line and exit status 1 (HYDRA_FULL_ERROR=1: the full traceback)
+    from train.cli import one_sentence_errors
+
+    one_sentence_errors(main)()
