@@ -1,10 +1,16 @@
 """The console side of the zoo's Hydra entry points: an error the user can fix is one sentence, not a traceback.
 
-`one_sentence_errors(main)` wraps a `@hydra.main` function (train.pretrain's; eval's entry points can use
-it the same way):
+`one_sentence_errors` decorates a Hydra entry point (train.pretrain's; eval's entry points can use it the
+same way), and `one_sentence()` covers the task's body:
 
-    if __name__ == "__main__":
-        one_sentence_errors(main)()
+    @one_sentence_errors        # Hydra's own errors: an override or group that does not exist, the log file
+    @hydra.main(config_path="../conf", config_name="...", version_base="1.3")
+    def main(cfg):
+        with one_sentence():    # the task's errors (Hydra would print "Error executing job ..." first)
+            ...
+
+(A decorator under `@hydra.main` would not do for the second: Hydra names the job, and so the log file,
+after the file that defines the function it is given.)
 
 A config error (a Hydra override or group that does not exist, a value a check refused, a file that
 cannot be read or written, an `ExplainedError` such as train's `TrainingError`) is then printed as one
@@ -18,6 +24,7 @@ How: Hydra re-raises instead of printing when HYDRA_FULL_ERROR is set, so the wr
 the user did not ask for it) and turns the exception it catches into the sentence.
 """
 
+import contextlib
 import difflib
 import functools
 import logging
@@ -104,10 +111,10 @@ def explain(error: BaseException) -> str | None:
                 f"Cannot write the run directory {directory} ({cause.strerror or cause}: {path}); "
                 "pass a writable one with hydra.run.dir=<dir> (or paths.log_dir=<dir> for the parent of run directories)."
             )
+    if isinstance(error, MissingConfigException):  # (a ConfigCompositionException too)
+        return _missing_config(error)
     if isinstance(error, ConfigCompositionException):
         return _not_in_struct(error) or _first_lines(error)
-    if isinstance(error, MissingConfigException):
-        return _missing_config(error)
     if isinstance(error, OSError) and error.filename and error.strerror:
         # raised by the OS (open, mkdir): "[Errno 13] Permission denied: '/x'"
         return f"{error.strerror}: {error.filename}."
@@ -129,24 +136,36 @@ def _write_to_log_files(sentence: str) -> None:
             handler.handle(record)
 
 
+@contextlib.contextmanager
+def one_sentence():
+    """Inside it, a fixable error is printed as one line and ends the command (exit status 1, or the error's
+    `exit_code`), unless the user set HYDRA_FULL_ERROR=1; anything else propagates."""
+    if full_traceback_requested():
+        yield
+        return
+    try:
+        yield
+    except Exception as error:
+        sentence = explain(error)
+        if sentence is None:
+            raise
+        _write_to_log_files(sentence)
+        sys.stdout.flush()
+        hint = "" if isinstance(error, ExplainedError) else "\n(Set HYDRA_FULL_ERROR=1 for the full traceback.)"
+        sys.stderr.write(f"Error: {sentence}{hint}\n")
+        raise SystemExit(getattr(error, "exit_code", 1)) from None
+
+
 def one_sentence_errors(main: Callable[..., Any]) -> Callable[..., Any]:
-    """`main` (a `@hydra.main` function) with a fixable error printed as one line and exit status 1."""
+    """`main` (a `@hydra.main` function) with a fixable error printed as one line, exit status 1."""
 
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if full_traceback_requested():
+        if not full_traceback_requested():
+            # Hydra re-raises instead of printing its traceback; the marker says the setting is ours
+            os.environ[FULL_ERROR] = "1"
+            os.environ[_SET_BY_US] = "1"
+        with one_sentence():
             return main(*args, **kwargs)
-        os.environ[FULL_ERROR] = "1"
-        os.environ[_SET_BY_US] = "1"
-        try:
-            return main(*args, **kwargs)
-        except Exception as error:
-            sentence = explain(error)
-            if sentence is None:
-                raise
-            _write_to_log_files(sentence)
-            sys.stdout.flush()
-            sys.stderr.write(f"Error: {sentence}\n(Set HYDRA_FULL_ERROR=1 for the full traceback.)\n")
-            raise SystemExit(getattr(error, "exit_code", 1)) from None
 
     return run

@@ -50,7 +50,7 @@ from models.checkpoint import save_checkpoint
 from parallel.layout import PARALLEL_NAMES
 from parallel.state import full_state_dict
 from train.callbacks import StallNotice, StopOnSigterm
-from train.cli import one_sentence_errors
+from train.cli import one_sentence, one_sentence_errors
 from train.data import CORPUS, is_local_source
 from train.module import (
     NONFINITE_POLICIES,
@@ -746,17 +746,21 @@ def route_logs_to_hydra() -> None:
     logging.captureWarnings(True)
 
 
+# Config errors as one sentence: Hydra's own (an override or group that does not exist, a run directory it
+# cannot log to) through the decorator, the task's (check_config's) through one_sentence(), before Hydra
+# would print "Error executing job with overrides". HYDRA_FULL_ERROR=1: tracebacks, as Hydra documents.
+@one_sentence_errors
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     route_logs_to_hydra()
-    try:
-        train(cfg)
-    except TrainingError as error:
-        # explained in its message: one line on the console and in <run dir>/pretrain.log, no traceback
-        log.error(str(error))
-        raise SystemExit(error.exit_code) from None
+    with one_sentence():
+        try:
+            train(cfg)
+        except TrainingError as error:
+            # explained in its message: one line on the console and in <run dir>/pretrain.log
+            log.error(str(error))
+            raise SystemExit(error.exit_code) from None
 
 
 if __name__ == "__main__":
-    # config errors (Hydra's and check_config's) as one sentence too; HYDRA_FULL_ERROR=1 for the traceback
-    one_sentence_errors(main)()
+    main()
