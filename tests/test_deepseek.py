@@ -325,3 +325,41 @@ def test_regroup_is_lossy_in_general_and_refuses_impossible_counts():
     assert relative_gap(logits(merged, IDS, "absorb"), logits(zoo, IDS, "absorb")) > 1e-3
     with pytest.raises(ValueError, match=r"num_kv_groups=1 cannot be reached.*use one of \[2, 4\]"):
         check_groups(zoo.config, 1)  # d_c = 32 > 1 x (8 + 16)
+
+
+# --- TP over groups with DeepSeek's query low-rank path ------------------------------------------------
+
+
+def _tp_with_q_lora_equals_one_device(rank, world_size):
+    import parallel
+
+    mesh = parallel.init_mesh(tp=world_size)
+    fields = dict(num_kv_groups=4, q_lora_rank=12, kv_a_layernorm=True, attn_path="gqa", initializer_range=0.05)
+    torch.manual_seed(0)
+    reference = ZooGQLAForCausalLM(models.ZOO["gqla"].tiny(**fields))
+    torch.manual_seed(0)
+    sharded = ZooGQLAForCausalLM(models.ZOO["gqla"].tiny(**fields))
+    parallel.parallelize(sharded, mesh)
+    attn = sharded.model.layers[0].self_attn
+    assert attn.q_b_proj.weight.shape[0] == 4 * (8 + 8) // world_size  # the rows of this rank's heads
+    assert attn.q_a_proj.weight.shape[0] == 12  # the query latent replicated
+    ids = IDS[:, :12] % 256
+    ref_out = reference(ids, labels=ids)
+    ref_out.loss.backward()
+    out = sharded(ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, ref_out.logits, rtol=0, atol=1e-5)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, p in sharded.named_parameters():
+        full = ref_grads[name]
+        if full.shape != p.grad.shape:
+            (dim,) = [d for d, (a, b) in enumerate(zip(full.shape, p.grad.shape, strict=True)) if a != b]
+            full = full.chunk(world_size, dim)[rank]
+        # q_a_proj / q_a_layernorm get their whole gradient through Megatron's f on q_b_proj's input
+        torch.testing.assert_close(p.grad, full, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_tp2_with_q_lora_rank_equals_one_device():
+    from tests.distributed import run_ranks
+
+    run_ranks(_tp_with_q_lora_equals_one_device, 2)

@@ -24,8 +24,8 @@ the latent-attention fields, in DeepSeek MLA's names.
 - `q_lora_rank` (d_q, default None): DeepSeek-V2 / V3's query low-rank path, q = q_b_proj(RMSNorm(q_a_proj x))
   with q_a_proj d -> d_q and q_b_proj d_q -> H (d_nope + d_r) (the norm is `q_a_layernorm`, always there, as
   in DeepSeek). None: one full-rank `q_proj`, as DeepSeek-V2-Lite. It changes the query only, so both decode
-  paths and their caches are the same; TP over groups is laid out for `q_proj` only (sharding.py refuses
-  q_lora_rank at TP > 1).
+  paths and their caches are the same; under TP q_b_proj is split by heads as q_proj is, the query latent
+  replicated (sharding.py).
 - `kv_a_layernorm` (default False): an RMSNorm on the latent c, as DeepSeek MLA has. Off by default: a
   latent converted from a GQA checkpoint (TransGQLA) is exact only without it, since the norm would rescale
   each token's keys and values.
