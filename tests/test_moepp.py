@@ -2,7 +2,8 @@
 
 - a layer == a token-by-token reference written from the paper (zero / copy / constant experts, the zero
   expert's weight renormalised away, FFN experts), with its routing fixed through the gating residual and
-  with random weights (fp32 atol 1e-5); the constant expert; the gating residual within a layer and down
+  with random weights (fp32 atol 1e-5; float64 atol 1e-10: routing and combine follow the model's dtype);
+  a float64 token routed to (zero, copy) comes out as its float64 input exactly; the constant expert; the gating residual within a layer and down
   the stack; capacities (formula, which assignments are kept, the layer with tokens dropped); the
   heterogeneous balance loss; a layer where no token reaches an FFN expert (forward and backward);
 - under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 == one
@@ -49,7 +50,7 @@ def reference(layer, x: torch.Tensor, logits: torch.Tensor, capacity=None) -> to
     constant = layer.constant_experts
     probs = logits.softmax(-1)
     seen = [0] * logits.shape[1]
-    out = torch.zeros(x.shape)
+    out = torch.zeros(x.shape, dtype=x.dtype)
     for t in range(x.shape[0]):
         chosen = probs[t].topk(cfg.num_experts_per_tok).indices.tolist()
         kept = []
@@ -84,18 +85,36 @@ def forced(layer, logits: torch.Tensor):
 # --- the formulas -------------------------------------------------------------------------------------
 
 
-def test_layer_with_fixed_routing_equals_reference():
-    """Every kind of expert, chosen through logits fixed by the gating residual."""
-    layer = build().model.layers[1].mlp
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, ATOL), (torch.float64, 1e-10)], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("dispatch", ["dropless", "padded"])
+def test_layer_with_fixed_routing_equals_reference(dtype, atol, dispatch):
+    """Every kind of expert, chosen through logits fixed by the gating residual; in float64 to float64's
+    precision (the router, the zero-computation experts and the combine run in fp64 there)."""
+    layer = build(moe_dispatch=dispatch).model.layers[1].mlp.to(dtype)
     n, ffn = layer.router.num_experts, layer.config.num_local_experts
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
-    logits = forced(layer, 2 * torch.randn(64, n, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    logits = forced(layer, 2 * torch.randn(64, n, generator=torch.Generator().manual_seed(3), dtype=dtype))
     chosen = set(logits.topk(2).indices.flatten().tolist())
     assert set(range(n)) <= chosen  # FFN, zero, copy and both constant experts are exercised
     out, returned_logits, _ = layer(x, logits)
+    assert out.dtype == returned_logits.dtype == dtype
     torch.testing.assert_close(returned_logits, logits, rtol=0, atol=0)
-    torch.testing.assert_close(out, reference(layer, x, logits), rtol=0, atol=ATOL)
+    torch.testing.assert_close(out, reference(layer, x, logits), rtol=0, atol=atol)
     assert ffn == 4 and n == 8
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "padded"])
+def test_float64_copy_expert_keeps_its_input_exactly(dispatch):
+    """A float64 token routed to (zero, copy) gets gate 1 on the copy expert and comes out as its input,
+    bit for bit: the copy expert's row is not rounded through fp32 (models/common/moe.py `routing_dtype`)."""
+    layer = build(moe_dispatch=dispatch).model.layers[1].mlp.double()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    logits = torch.full((3, 8), -10.0, dtype=torch.float64)
+    logits[:, 4], logits[:, 5] = 3.0, 1.0  # the zero expert (id 4) and the copy expert (id 5)
+    out, _, _ = layer(x, forced(layer, logits))
+    assert out.dtype == torch.float64
+    assert torch.equal(out, x)
+    assert not torch.equal(x.float().double(), x)  # the inputs carry bits fp32 would have rounded away
 
 
 def test_zero_expert_weight_goes_to_the_other_choice():

@@ -3,7 +3,8 @@
 One implementation for the three architectures (specs/moe.md); torchtitan's MoE was read for the facts.
 
 - `TopKRouter(hidden_size, num_experts, top_k, score_func="softmax"|"sigmoid", renormalize=True,
-  balance_bias=False)`: `self.gate` is the router linear (d -> E, no bias). In fp32: logits = gate(x)
+  balance_bias=False)`: `self.gate` is the router linear (d -> E, no bias). In `routing_dtype` (fp32, fp64
+  in a float64 model): logits = gate(x)
   (+ `extra_logits`, MoE++'s gating residual), scores = softmax or sigmoid, top-k, gates = the chosen
   scores, renormalised to sum to 1 (Mixtral). `balance_bias=True` is DeepSeek-V3's auxiliary-loss-free
   balancing: experts are chosen on scores + `expert_bias` (a buffer, saved with the weights), gates come
@@ -48,8 +49,8 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
     device-to-host sync); the tokens go out with the uneven `comm.all_to_all`: ISSUED, not waited.
   * `compute()`: waits the dispatch all-to-all, reorders the received (source rank, local expert) runs to
     expert-major order, runs the local experts, and issues the combine all-to-all (not waited).
-  * `combine()`: waits the combine all-to-all, weights each returned row by its gate in fp32 and sums a
-    token's rows in a fixed order (no atomics: deterministic on every device); returns x's dtype.
+  * `combine()`: waits the combine all-to-all, weights each returned row by its gate in `routing_dtype`
+    and sums a token's rows in a fixed order (no atomics: deterministic on every device); returns x's dtype.
   `assignments` is a `Routing` or any object with `token_idx`, `expert_idx`, `gates` (a subset of a
   routing: MoE++'s FFN experts only; expert ids index `experts`).
   Dropless by default. With `capacity=C` each rank sends at most C assignments to each expert (the first
@@ -129,6 +130,13 @@ AUX_LOSS_STYLES = ("zoo", "hf")  # the balance loss's conventions (module docstr
 # grouped_mm reads rows whose byte length is a multiple of 16: 8 values at 2 bytes (bf16 / fp16), which
 # also covers fp32's 4. A model's widths must fit every dtype it may be cast to.
 WIDTH_MULTIPLE = 8
+
+
+def routing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype routing and the expert combine compute in for a model of `dtype`: max(fp32, dtype). fp32 for
+    bf16 / fp16 / fp32 models (near-ties between experts must not flip with rounding), fp64 for a float64
+    one, so that its parity tests hold to float64's precision (a copy expert's row stays the fp64 input)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 # --- checks ------------------------------------------------------------------------------------------
@@ -228,9 +236,9 @@ class Routing:
 
     token_idx: torch.Tensor  # [A] long
     expert_idx: torch.Tensor  # [A] long
-    gates: torch.Tensor  # [A] fp32
-    probs: torch.Tensor  # [T, E] fp32, what the balance loss averages
-    logits: torch.Tensor  # [T, E] fp32, before scoring (MoE++'s gating residual feeds them on)
+    gates: torch.Tensor  # [A] in routing_dtype (fp32; fp64 in a float64 model), as probs and logits
+    probs: torch.Tensor  # [T, E], what the balance loss averages
+    logits: torch.Tensor  # [T, E], before scoring (MoE++'s gating residual feeds them on)
 
     def select(self, keep: torch.Tensor, expected: int | None = None) -> "Routing":
         """The assignments where `keep` [A] (bool) is True, in their order; probs and logits unchanged.
@@ -279,10 +287,11 @@ class TopKRouter(nn.Module):
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor, extra_logits: torch.Tensor | None = None) -> Routing:
-        # fp32 whatever the model's dtype: near-ties between experts must not flip with rounding.
-        logits = F.linear(x.float(), self.gate.weight.float())
+        # At least fp32 whatever the model's dtype: near-ties between experts must not flip with rounding.
+        dtype = routing_dtype(x.dtype)
+        logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         if extra_logits is not None:
-            logits = logits + extra_logits.float()
+            logits = logits + extra_logits.to(dtype)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias if self.balance_bias else scores
         expert_idx = choose.topk(self.top_k, dim=-1).indices  # [T, k]
@@ -489,7 +498,7 @@ class MoEDispatch:
     send_splits: list[int]  # rows this rank sends to each ep rank
     recv_splits: list[int]  # rows it receives from each
     expert_counts: list[int]  # rows each local expert receives, over all sources
-    gates: torch.Tensor  # [A_kept] fp32, the sent rows' gates, in the order they were sent
+    gates: torch.Tensor  # [A_kept] routing_dtype(x's), the sent rows' gates, in the order they were sent
     token_idx: torch.Tensor  # [A_kept] the token of each sent row
     slot_idx: torch.Tensor  # [A_kept] its place among that token's assignments
     slots: int  # the most assignments any token has
@@ -517,7 +526,7 @@ class MoEDispatch:
         if self.stage != "computed":
             raise RuntimeError(f"MoEDispatch.combine() runs once, after compute(); this one is {self.stage}.")
         returned = self.in_flight.wait()  # [A_kept, d] in the expert-sorted order of this rank's assignments
-        weighted = returned.float() * self.gates[:, None]
+        weighted = returned.to(self.gates.dtype) * self.gates[:, None]
         # Each (token, slot) receives exactly one row, so this is a copy, not an accumulation; the sum over
         # slots then runs in a fixed order on every device.
         by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
@@ -581,7 +590,7 @@ def dispatch(
         send_splits=send_splits,
         recv_splits=recv_splits,
         expert_counts=[sum(row[e] for row in recv_rows) for e in range(local)],
-        gates=gates[order].float(),
+        gates=gates[order].to(routing_dtype(x.dtype)),
         token_idx=token_idx[order],
         slot_idx=slot[order],
         slots=slots,
@@ -616,7 +625,7 @@ class PaddedDispatch:
     dtype: torch.dtype  # x's, for the combined output
     in_flight: comm.Handle  # the dispatch all-to-all of [E * C, d], then the combine all-to-all
     row: torch.Tensor  # [A] the buffer row each assignment went in (E * C: not sent)
-    gates: torch.Tensor  # [A] fp32, 0 where not sent
+    gates: torch.Tensor  # [A] routing_dtype(x's), 0 where not sent
     token_idx: torch.Tensor  # [A]
     slot_idx: torch.Tensor  # [A] its place among that token's assignments
     dropped: torch.Tensor  # 0-d int64: valid assignments over the capacity, not sent
@@ -642,7 +651,7 @@ class PaddedDispatch:
         returned = self.in_flight.wait()  # [E * C, d], in the layout this rank sent
         # One zero row more for the assignments not sent, so that every assignment gathers a row.
         returned = torch.cat([returned, returned.new_zeros(1, returned.shape[-1])])
-        weighted = returned[self.row].float() * self.gates[:, None]
+        weighted = returned[self.row].to(self.gates.dtype) * self.gates[:, None]
         # As MoEDispatch.combine: one row per (token, slot), summed over slots in a fixed order.
         by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
         by_slot = by_slot.index_put((self.token_idx, self.slot_idx), weighted)
@@ -709,7 +718,7 @@ def dispatch_padded(
         dtype=x.dtype,
         in_flight=pending,
         row=row,
-        gates=torch.where(sent, gates.float(), 0.0),
+        gates=torch.where(sent, gates.to(routing_dtype(x.dtype)), 0.0),
         token_idx=token_idx,
         slot_idx=slot,
         dropped=dropped,

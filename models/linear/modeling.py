@@ -233,21 +233,27 @@ class LinearAttention(nn.Module):
             # log lambda = logsigmoid(decay_logits): always < 0, so the state never grows without bound.
             self.decay_logits = nn.Parameter(learned_decay_init(self.num_heads).float())
         elif self.decay != "none":
-            # Not in checkpoints (it follows from the config); rebuilt after meta-device loading (_init_weights).
+            # The exact fp64 values, kept as their bits (int64): nn.Module.to(dtype) casts floating buffers,
+            # and a bf16 model's bf16 decays would be off by 2^-9 relative (lambda^t drifts over long
+            # sequences); an integer buffer moves with .to(device) and is never cast. `log_decay` gives them in
+            # the compute dtype: fp32-rounded for bf16 / fp16 / fp32 models, exact in a float64 one. Not in
+            # checkpoints (it follows from the config); rebuilt after meta-device loading (_init_weights).
             values = fixed_log_decay(self.decay, self.num_heads, layer_idx, config.num_hidden_layers)
-            self.register_buffer("fixed_log_decay", values.float(), persistent=False)
+            self.register_buffer("fixed_log_decay_bits", values.view(torch.int64), persistent=False)
         self.num_layers = config.num_hidden_layers
         # Set by the "sp" layout (sharding.py); None = one device.
         self.sp_group = None
         self.sp_method = config.sp_method
 
-    def log_decay(self) -> torch.Tensor | None:
-        """log lambda_h [H] (<= 0), or None without decay."""
+    def log_decay(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """log lambda_h [H] (<= 0), or None without decay. A fixed decay in promote_types(dtype, fp32) (the
+        kernels' compute dtype for inputs of `dtype`), rounded once from its fp64 value; a learned one in its
+        parameter's dtype."""
         if self.decay == "none":
             return None
         if self.decay == "learned":
             return F.logsigmoid(self.decay_logits)
-        return self.fixed_log_decay
+        return self.fixed_log_decay_bits.view(torch.float64).to(torch.promote_types(dtype, torch.float32))
 
     def forward(self, x, position_embeddings=None, attention_mask=None, cache=None):
         bsz, q_len, _ = x.shape
@@ -273,7 +279,7 @@ class LinearAttention(nn.Module):
         """The sequence mixing: o [B, H, T, d_v] from q, k, v [B, H, T, D]. On one device, the chunked
         kernel (fla on CUDA) starting from the cache's state and leaving the new one there; under sequence
         parallelism, `sp_method` over `sp_group` (module docstring)."""
-        log_decay = self.log_decay()
+        log_decay = self.log_decay(q.dtype)
         if self.sp_group is not None:
             _no_cache_under_sp(cache)
             return sp_linear_attention(
@@ -334,7 +340,7 @@ class ZooLinearPreTrainedModel(ZooPreTrainedModel):
             init.copy_(module.decay_logits, learned_decay_init(module.num_heads))
         elif isinstance(module, LinearAttention) and module.decay != "none":
             values = fixed_log_decay(module.decay, module.num_heads, module.layer_idx, module.num_layers)
-            init.copy_(module.fixed_log_decay, values)
+            init.copy_(module.fixed_log_decay_bits, values.view(torch.int64))
 
 class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
     def __init__(self, config):

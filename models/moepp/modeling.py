@@ -44,6 +44,7 @@ from models.common.moe import (
     init_moe_weights,
     load_balance_loss,
     padded_capacity,
+    routing_dtype,
     take,
 )
 from models.moepp.configuration import ZooMoeppConfig
@@ -98,7 +99,8 @@ class ConstantExperts(nn.Module):
         """x: [A, d] tokens, expert: [A] which constant expert (0..n-1) each goes to."""
         scores = x @ self.weight.flatten(0, 1).T  # [A, 2n]: every constant expert's W_c x, cheap at small n
         scores = scores.view(x.shape[0], self.constant.shape[0], 2)[torch.arange(x.shape[0], device=x.device), expert]
-        a = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        # The mixing weights in routing_dtype (fp32, fp64 in a float64 model), as the router's scores.
+        a = torch.softmax(scores.to(routing_dtype(scores.dtype)), dim=-1).to(x.dtype)
         # F.embedding, not self.constant[expert]: the backward of that index sums thousands of rows into n
         # rows with a multithreaded CPU kernel whose order varies from run to run; embedding's does not.
         return a[:, :1] * x + a[:, 1:] * F.embedding(expert, self.constant)
@@ -136,8 +138,9 @@ class MoePlusPlus(nn.Module):
         num_tokens = x.shape[0]
         residual = None
         if self.gate_residual is not None and previous_logits is not None:
-            # The router runs in fp32, so does its residual.
-            residual = F.linear(previous_logits.float(), self.gate_residual.weight.float())
+            # The router runs in routing_dtype (fp32, fp64 in a float64 model), so does its residual.
+            dtype = routing_dtype(x.dtype)
+            residual = F.linear(previous_logits.to(dtype), self.gate_residual.weight.to(dtype))
         routing = self.router(x, extra_logits=residual)
         expert_idx = routing.expert_idx
         is_zero = (expert_idx >= self.num_ffn) & (expert_idx < self.first_copy)
@@ -163,7 +166,7 @@ class MoePlusPlus(nn.Module):
             # The copy and constant experts run on this rank while the dispatch is in flight.
             zc_out = self.zero_computation(x, routing, keep & ~ffn, expected)
         pending.compute()  # waits the dispatch, runs this rank's experts, issues the combine
-        out = pending.combine().float() + zc_out  # waits the combine
+        out = pending.combine().to(zc_out.dtype) + zc_out  # waits the combine
         balance = None
         if self.training and self.config.router_aux_loss_coef > 0:
             # The heterogeneous loss: eta = 1 for FFN experts, tau for zero-computation ones.
@@ -191,7 +194,8 @@ class MoePlusPlus(nn.Module):
 
     def zero_computation(self, x: torch.Tensor, routing: Routing, local: torch.Tensor, expected=None) -> torch.Tensor:
         """sum of g_i E_i(x) over each token's copy and constant experts (the assignments where `local`),
-        [T, d] in fp32. Summed per (token, slot) like the shared combine: no atomics, a fixed order.
+        [T, d] in routing_dtype (fp32; fp64 in a float64 model: a copy expert's row is its input exactly).
+        Summed per (token, slot) like the shared combine: no atomics, a fixed order.
         `expected`: the selections' sizes on the meta device (`expected_assignments`)."""
         k, expected = self.config.num_experts_per_tok, expected or {}
         n_local, n_constant = expected.get("local"), expected.get("constant")
@@ -203,14 +207,15 @@ class MoePlusPlus(nn.Module):
             take(rows, is_constant, n_constant), take(expert_idx, is_constant, n_constant) - self.first_constant
         )
         rows = rows.masked_scatter(is_constant[:, None], constant)
-        slots = x.new_zeros(x.shape[0], k, x.shape[1], dtype=torch.float32)
-        slots = slots.index_put((token_idx, slot), rows.float() * gates[:, None])
+        dtype = routing_dtype(x.dtype)
+        slots = x.new_zeros(x.shape[0], k, x.shape[1], dtype=dtype)
+        slots = slots.index_put((token_idx, slot), rows.to(dtype) * gates[:, None].to(dtype))
         return slots.sum(1)
 
 
     def zero_computation_dense(self, x: torch.Tensor, routing: Routing, local: torch.Tensor) -> torch.Tensor:
         """`zero_computation` without a selection (the padded dispatch's: every size fixed): the copy and
-        constant experts computed for every assignment, those not `local` masked to 0. [T, d] in fp32."""
+        constant experts computed for every assignment, those not `local` masked to 0. [T, d] in routing_dtype."""
         k, num_tokens = self.config.num_experts_per_tok, x.shape[0]
         rows = x[routing.token_idx]  # copy experts: E(x) = x
         n_constant = self.constant_experts.constant.shape[0]
@@ -218,7 +223,8 @@ class MoePlusPlus(nn.Module):
             is_constant = routing.expert_idx >= self.first_constant
             which = (routing.expert_idx - self.first_constant).clamp(0, n_constant - 1)
             rows = torch.where(is_constant[:, None], self.constant_experts(rows, which), rows)
-        weighted = torch.where(local[:, None], rows.float() * routing.gates[:, None], 0.0)
+        dtype = routing_dtype(x.dtype)
+        weighted = torch.where(local[:, None], rows.to(dtype) * routing.gates[:, None].to(dtype), 0.0)
         return weighted.view(num_tokens, k, -1).sum(1)  # token-major: the k slots of each token, in order
 
 
