@@ -33,6 +33,7 @@ Mixtral within 1e-7, because both routers score in fp32 (Mixtral rounds its fp64
 inputs). The same experts chosen; greedy generation identical.
 """
 
+import time
 from pathlib import Path
 
 import torch
@@ -169,11 +170,17 @@ def to_stock(model: PreTrainedModel) -> PreTrainedModel:
 def export_stock(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> Path:
     """Write `model` (zoo llama, moe or gqla) as a stock-class checkpoint to `out_dir` (and `tokenizer` beside it):
     it loads with `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers. Returns `out_dir`."""
+    from models.checkpoint import drop_loading_options, share_files
+
     out_dir = Path(out_dir)
+    started = time.time()
     stock = to_stock(model)
     stock.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    # as save_checkpoint does: weights readable by others under the umask, no loading options of this machine
+    share_files(out_dir, since=started)
+    drop_loading_options(out_dir)
     return out_dir
 
 

@@ -167,6 +167,25 @@ def test_float32_export_stays_float32(tmp_path):
     assert json.loads((export_stock(zoo, tmp_path).joinpath("config.json")).read_text())["dtype"] == "float32"
 
 
+def test_export_files_follow_the_umask_and_carry_no_loading_options(tmp_path):
+    # As save_checkpoint's (tests/test_bad_inputs_eval.py): safetensors writes 0600 and the tokenizer would keep
+    # this machine's local_files_only.
+    import os
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "train" / "tokenizer", local_files_only=True)
+    zoo = tiny_zoo("llama", torch.float32)
+    old = os.umask(0o022)
+    try:
+        out = export_stock(zoo, tmp_path / "stock", tokenizer=tokenizer)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes
+    assert "local_files_only" not in json.loads((out / "tokenizer_config.json").read_text())
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [

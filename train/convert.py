@@ -29,6 +29,7 @@ conversion keeps the function, then recovery).
 """
 
 import json
+import time
 from pathlib import Path
 
 import hydra
@@ -38,8 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
 import models
-import models.stock_export  # noqa: F401  (registers converter=export_stock until models/__init__.py imports it)
-from models.checkpoint import apply_special_tokens, save_checkpoint
+from models.checkpoint import apply_special_tokens, drop_loading_options, save_checkpoint, share_files
 from models.registry import Converter
 from train.data import LMDataModule, load_tokenizer
 from train.metrics import evaluate_loss
@@ -156,8 +156,11 @@ def convert(cfg: DictConfig) -> dict:
         save_checkpoint(converted, tokenizer, out)
     else:  # a stock transformers class: its own files, no remote code
         apply_special_tokens(converted, tokenizer)
+        started = time.time()
         converted.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        share_files(out, since=started)  # as save_checkpoint: readable under the umask, no local loading options
+        drop_loading_options(out)
     details = converter.summary(converted)
     result = {
         "converter": converter.name,
