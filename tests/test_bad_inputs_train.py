@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.test_train import REPO, TINY, compose_pretrain
+from tests.test_train import REPO, TINY, compose_pretrain, subprocess_env
 from tests.test_train_safety import start_wrapped
 from train.cli import explain
 from train.module import Interrupted, TrainingError
@@ -140,6 +141,20 @@ def test_torchrun_with_the_wrong_number_of_processes_is_refused(tmp_path, monkey
         check_config(cfg)
     monkeypatch.setenv("WORLD_SIZE", "4" if "parallel=dp2_tp2" in overrides else "2" if overrides else "1")
     check_config(cfg)  # the right number passes
+
+
+@pytest.mark.slow  # two interpreters under torchrun: ~25 s
+def test_torchrun_with_parallel_none_is_refused_once(tmp_path):
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "-m", "train.pretrain",
+         f"hydra.run.dir={tmp_path / 'run'}", *FAST],
+        cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=180,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    sentence = "Error: torchrun started 2 processes (WORLD_SIZE=2), but parallel=none trains in one"
+    assert output.count(sentence) == 1, output[-3000:]  # by local rank 0 only
+    assert "parallel.dp=2" in output and not (tmp_path / "run" / "hf").exists()
 
 
 # -------------------------------------------------------------------------------- resume and continue

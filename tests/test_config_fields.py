@@ -175,3 +175,15 @@ def test_round_trips_keep_working(name, tmp_path):
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert type(loaded) is type(config) and loaded.to_diff_dict() == config.to_diff_dict()
+
+
+def test_another_architectures_config_says_so(tmp_path):
+    """A config.json of an architecture this class does not load: its fields are refused, and the error says
+    whose config it is (a DeepSeek checkpoint read by the zoo's gqla config: convert it instead)."""
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(ValueError, match="model_type='deepseek_v3', another architecture's than ZooGQLAConfig's"):
+        models.ZooGQLAConfig.from_pretrained(tmp_path)

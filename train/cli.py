@@ -149,6 +149,10 @@ def one_sentence():
         sentence = explain(error)
         if sentence is None:
             raise
+        if not isinstance(error, ExplainedError) and os.environ.get("LOCAL_RANK", "0") != "0":
+            # a config error of a multi-process launch is the same on every rank of a node: said once, by
+            # local rank 0 (runtime failures, ExplainedError, differ by rank and are said by each)
+            raise SystemExit(getattr(error, "exit_code", 1)) from None
         _write_to_log_files(sentence)
         sys.stdout.flush()
         hint = "" if isinstance(error, ExplainedError) else "\n(Set HYDRA_FULL_ERROR=1 for the full traceback.)"

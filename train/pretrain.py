@@ -588,9 +588,10 @@ def explain_lost_ranks(trainer: L.Trainer, output_dir: Path):
         lost = lost_rank(trainer)
         ended = end_other_ranks(trainer) if trainer.global_rank == 0 else []
         killed = f" Killed the ranks still running (pids {', '.join(map(str, ended))})." if ended else ""
+        why = " That rank's own output says why." if "stopped (SIGSTOP" not in lost else ""
         raise TrainingError(
             f"Rank {trainer.global_rank} stopped at step {trainer.global_step}: {lost}, so a collective failed "
-            f"({detail}).{killed} That rank's own output says why. {checkpoint_on_disk(output_dir)}"
+            f"({detail}).{killed}{why} {checkpoint_on_disk(output_dir)}"
         ) from error
 
 

@@ -94,12 +94,17 @@ def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads:
 
 
 def without_fields_of_source(config_class, config_dict: dict) -> dict:
-    """A config.json of another architecture (its `model_type` differs: a Ladder checkpoint read by the zoo
-    llama, the loads models/common/causal_lm.py's LOADS_FROM allows) carries that architecture's own fields
-    (`ladder_layers`), which this class leaves out by design: they are dropped here, so that only fields
-    neither architecture knows (typos) are refused. An unregistered model_type drops nothing."""
+    """A config.json of another architecture that this class may load (its `model_type` one of those
+    models/common/causal_lm.py's LOADS_FROM allows: a Ladder checkpoint read by the zoo llama) carries that
+    architecture's own fields (`ladder_layers`), which this class leaves out by design: they are dropped here,
+    so that only fields neither architecture knows (typos) are refused. Any other model_type drops nothing
+    (its fields are refused: that checkpoint is not this architecture's)."""
+    from models.common.causal_lm import LOADS_FROM  # (models.common imports no config: no cycle, but late)
+
     source_type = config_dict.get("model_type")
     if not source_type or source_type == config_class.model_type:
+        return config_dict
+    if source_type not in LOADS_FROM.get(config_class.model_type, ()):
         return config_dict
     try:
         source_class = CONFIG_MAPPING[source_type]
@@ -140,7 +145,17 @@ class ZooLlamaConfig(LlamaConfig):
             # the rest without a word. (A model's from_pretrained asks for the unused ones back and hands
             # them to the model's __init__, which refuses them itself.)
             check_fields(cls, [k for k in kwargs if k not in LOADING_KWARGS])
-        out = super().from_dict(config_dict, **kwargs)
+        try:
+            out = super().from_dict(config_dict, **kwargs)
+        except ValueError as error:
+            source_type = config_dict.get("model_type")
+            if source_type in (None, cls.model_type) or "has no field" not in str(error):
+                raise
+            raise ValueError(
+                f"This config is model_type={source_type!r}, another architecture's than {cls.__name__}'s "
+                f"({cls.model_type!r}); load it with its own class, or convert it (python -m train.convert "
+                f"converter=..., models.CONVERTERS). {error}"
+            ) from error
         # `config` or `(config, unused_kwargs)`, depending on `return_unused_kwargs`.
         config = out[0] if isinstance(out, tuple) else out
         config.validate()
