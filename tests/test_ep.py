@@ -3,7 +3,8 @@ has "ep"), as tests/test_tp.py does for tp:
 
 - on gloo: EP 2, EP 4 (where the tiny config's experts split 4 ways) and EP 2 x TP 2 == one process on the
   concatenated batch (logits, the loss with the balance loss, every gradient after parallel.grad_sync; fp32
-  atol 1e-5); exactly the stacked experts are sharded over ep; one eval forward's real collectives counted
+  atol 1e-5; and float64 atol 1e-10, a float64 model routing and combining in float64, with a float64 loss
+  of its own since transformers' LM loss is computed in fp32); exactly the stacked experts are sharded over ep; one eval forward's real collectives counted
   against the entry's declaration and against the rows its routers send to the experts;
 - the shared dispatch on uneven routing at EP 2 and 4 (a rank that sends its peers nothing, an expert that
   gets nothing, ranks with different token counts) == the dense reference, forward and backward;
@@ -31,6 +32,8 @@ from tests.distributed import run_ranks
 from tests.test_moe import D, dense_reference, make_experts, run_moe
 
 ATOL = 1e-5
+# float64 models route and combine in float64 (models/common/moe.py `routing_dtype`): only summation order differs.
+ATOL_FP64 = 1e-10
 EP_ARCHS = sorted(name for name, e in models.ZOO.items() if "ep" in e.degrees)
 # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
 AUX = dict(router_aux_loss_coef=0.5)
@@ -92,32 +95,51 @@ def expert_parameters(model) -> set[str]:
 
 
 def check_equivalence(
-    mesh, name: str, reference_overrides: dict | None = None, batch_per_rank: int = 2, seq: int = 10, **overrides
+    mesh,
+    name: str,
+    reference_overrides: dict | None = None,
+    batch_per_rank: int = 2,
+    seq: int = 10,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
 ) -> None:
     """`name` sharded over `mesh`, fed this ep rank's rows of a global batch, == the one-process model on all
-    of it (its tp ranks share the rows). `reference_overrides`: config fields of the one-process model only
-    (e.g. a serial schedule the sharded model must equal)."""
+    of it (its tp ranks share the rows), in `dtype` (fp32: atol 1e-5; float64: 1e-10). `reference_overrides`:
+    config fields of the one-process model only (e.g. a serial schedule the sharded model must equal)."""
     degrees = mesh_degrees(mesh)
     ep, ep_rank = mesh["ep"].size(), mesh.get_local_rank("ep")
     ids = ids_of(ep * batch_per_rank, seq, seed=7)
     rows = slice(ep_rank * batch_per_rank, (ep_rank + 1) * batch_per_rank)
-    reference = build(name, degrees, **{**overrides, **(reference_overrides or {})})
-    sharded = build(name, degrees, **overrides)
+    atol = ATOL_FP64 if dtype == torch.float64 else ATOL
+    reference = build(name, degrees, **{**overrides, **(reference_overrides or {})}).to(dtype)
+    sharded = build(name, degrees, **overrides).to(dtype)
     parallel.parallelize(sharded, mesh)
 
-    ref_out = reference(ids, labels=ids)
-    ref_out.loss.backward()
-    out = sharded(ids[rows], labels=ids[rows])
-    out.loss.backward()
+    if dtype == torch.float64:
+        # transformers' causal-LM loss casts the logits to fp32 (transformers/loss/loss_utils.py), so a float64
+        # comparison uses a float64 loss: the mean of the logits weighted by fixed random weights, plus the
+        # aux losses. Each ep rank's share is its rows' sum times ep / all logits; their mean is the whole's.
+        weights = torch.randn(*ids.shape, sharded.config.vocab_size, generator=torch.Generator().manual_seed(8), dtype=dtype)
+        ref_out = reference(ids)
+        ref_loss = (ref_out.logits * weights).sum() / weights.numel() + sum(ref_out.aux_losses.values())
+        out = sharded(ids[rows])
+        loss = ep * (out.logits * weights[rows]).sum() / weights.numel() + sum(out.aux_losses.values())
+    else:
+        ref_out = reference(ids, labels=ids)
+        out = sharded(ids[rows], labels=ids[rows])
+        ref_loss, loss = ref_out.loss, out.loss
+    ref_loss.backward()
+    loss.backward()
     sync_gradients(sharded, mesh)
 
     where = f"{name} at {degrees}"
-    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=ATOL, msg=lambda m: f"{where}: {m}")
+    assert out.logits.dtype == ref_out.logits.dtype == dtype, where
+    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
     # Every ep rank gets the balance loss of the whole batch; the LM losses average to the whole batch's.
     balance, ref_balance = out.aux_losses["load_balance"], ref_out.aux_losses["load_balance"]
-    torch.testing.assert_close(balance, ref_balance, rtol=0, atol=ATOL, msg=lambda m: f"{where}: {m}")
-    mean_loss = comm.all_reduce(out.loss.detach(), mesh.get_group("ep")).wait() / ep
-    torch.testing.assert_close(mean_loss, ref_out.loss, rtol=0, atol=ATOL, msg=lambda m: f"{where}: {m}")
+    torch.testing.assert_close(balance, ref_balance, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
+    mean_loss = comm.all_reduce(loss.detach(), mesh.get_group("ep")).wait() / ep
+    torch.testing.assert_close(mean_loss, ref_loss, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
 
     # Exactly the stacked experts are split over ep, and over nothing else (the zero-computation experts of
     # MoE++, routers, shared experts stay replicated over ep).
@@ -128,7 +150,7 @@ def check_equivalence(
     ref_params = dict(reference.named_parameters())
     for pname, p in sharded.named_parameters():
         expected = local_part(ref_params[pname].grad, specs.get(pname, ()))
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=ATOL, msg=lambda m, n=pname: f"{where}, {n}: {m}")
+        torch.testing.assert_close(p.grad, expected, rtol=0, atol=atol, msg=lambda m, n=pname: f"{where}, {n}: {m}")
 
 
 # --- collectives -------------------------------------------------------------------------------------
@@ -202,32 +224,34 @@ def count_one_forward(mesh, name: str) -> tuple[int, int]:
 # --- the shared dispatch on uneven routing -----------------------------------------------------------
 
 
-def check_uneven_routing(rank: int, group, world_size: int) -> None:
+def check_uneven_routing(rank: int, group, world_size: int, dtype: torch.dtype = torch.float32) -> None:
     """Rank 0 sends its peers nothing; the last expert gets no token anywhere; ranks route different numbers
-    of tokens; forward and backward equal the dense reference (each rank checks its own tokens)."""
+    of tokens; forward and backward equal the dense reference (each rank checks its own tokens), in `dtype`."""
+    atol = ATOL_FP64 if dtype == torch.float64 else ATOL
     num_experts = 2 * world_size
-    full = make_experts(num_experts)
-    local = make_experts(num_experts)
+    full = make_experts(num_experts, dtype=dtype)
+    local = make_experts(num_experts, dtype=dtype)
     per = num_experts // world_size
     with torch.no_grad():  # this rank's experts, as parallel.ep's role keeps them
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(local, name, torch.nn.Parameter(getattr(local, name)[rank * per : (rank + 1) * per].clone()))
     local.num_local_experts = per
     tokens = 5 + rank
-    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(10 + rank), requires_grad=True)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(10 + rank), dtype=dtype, requires_grad=True)
     token_idx = torch.arange(tokens).repeat_interleave(2)
     if rank == 0:
         expert_idx = torch.tensor([0, 1] * tokens)  # both of rank 0's own experts
     else:
         expert_idx = torch.randint(0, num_experts - 1, (2 * tokens,), generator=torch.Generator().manual_seed(rank))
-    gates = torch.rand(2 * tokens, generator=torch.Generator().manual_seed(20 + rank))
+    gates = torch.rand(2 * tokens, generator=torch.Generator().manual_seed(20 + rank), dtype=dtype)
     out = run_moe(x, Routing(token_idx, expert_idx, gates, None, None), local, group)
     x_ref = x.detach().clone().requires_grad_()
     ref = dense_reference(x_ref, token_idx, expert_idx, gates, full)
-    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=0, atol=atol)
     out.sum().backward()
     ref.sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=ATOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=atol)
 
 
 # --- on gloo ranks -----------------------------------------------------------------------------------
@@ -249,9 +273,11 @@ def _ep_ranks(rank, world_size, points):
         mesh = parallel.init_mesh(**degrees)
         for name in names:
             check_equivalence(mesh, name, **AUX)
+            check_equivalence(mesh, name, dtype=torch.float64, **AUX)
         if set(degrees) != {"ep"}:
             continue
         check_uneven_routing(rank, mesh.get_group("ep"), world_size)
+        check_uneven_routing(rank, mesh.get_group("ep"), world_size, torch.float64)
         for name in names:
             count_one_forward(mesh, name)
             own = model_ep_checks(name)

@@ -2,7 +2,7 @@
 decoding, the decays, the sequence-parallel hook's contract, and bad inputs.
 
 Tolerances: kernels in fp64 to 1e-10 (the same sums in different orders); model-level parity in fp64 to
-1e-10; causality is bit-identical (outputs before a changed token are the same bits).
+1e-10 (fixed decays exact in float64 models, fp32-rounded below); causality is bit-identical (outputs before a changed token are the same bits).
 """
 
 import pytest
@@ -161,6 +161,29 @@ def test_decay_values_follow_the_papers():
     torch.testing.assert_close(last, -torch.tensor(alibi_slopes(8), dtype=torch.float64) * 1e-5)
     # Learned: starts at RetNet's values.
     torch.testing.assert_close(F.logsigmoid(learned_decay_init(4)), fixed_log_decay("retnet", 4, 0, 4))
+
+
+@pytest.mark.parametrize("decay", ["lightning", "retnet"])
+def test_fixed_decay_is_exact_in_float64_and_fp32_rounded_below(decay, tmp_path):
+    """A fixed decay is its fp64 value in a float64 model and rounded once to fp32 (not to the model's
+    dtype) in bf16 / fp16 / fp32 ones, after model.to(dtype) and after a reload on the meta device too; a
+    float64 layer's mixing then equals the definition with the exact decay to 1e-10, which the fp32-rounded
+    decay misses."""
+    model = tiny(decay=decay)
+    attn = model.model.layers[1].self_attn
+    exact = fixed_log_decay(decay, attn.num_heads, 1, attn.num_layers)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        model.to(dtype)
+        expected = exact if dtype == torch.float64 else exact.float()
+        assert torch.equal(attn.log_decay(dtype), expected), dtype
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert torch.equal(loaded.model.layers[1].self_attn.log_decay(torch.bfloat16), exact.float())
+    model.double()
+    q, k, v = qkv(h=attn.num_heads, t=37, d_k=attn.head_dim, d_v=attn.head_dim)
+    o = attn.mix(q, k, v)
+    torch.testing.assert_close(o, linear_attention_quadratic(q, k, v, exact), **TOL)
+    assert not torch.allclose(o, linear_attention_quadratic(q, k, v, exact.float().double()), rtol=0, atol=1e-10)
 
 
 def test_learned_decay_trains_and_reloads(tmp_path):

@@ -2,7 +2,8 @@
 
 - grouped_mm experts == the per-expert loop (values and gradients; fp32 atol 1e-5, bf16 loose);
 - dispatch / compute / combine == a dense reference that sends every token through its experts one by one
-  (dropless, capacity, a filtered subset of assignments; fp32 atol 1e-5, gradients included);
+  (dropless, capacity, a filtered subset of assignments; fp32 atol 1e-5, gradients included), and in
+  float64 (dropless and padded, atol 1e-12: routing and combine run in fp64 there, fp32 below);
 - router, balance loss and the aux-loss-free bias, each against its formula;
 - bad inputs, one clear error each;
 - under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 ==
@@ -22,6 +23,7 @@ from models.common.moe import (
     TopKRouter,
     capacity,
     dispatch,
+    dispatch_padded,
     load_balance_loss,
     update_balance_biases,
 )
@@ -48,13 +50,13 @@ def expert_ffn(experts, e: int, x: torch.Tensor) -> torch.Tensor:
 def dense_reference(x, token_idx, expert_idx, gates, experts, cap=None) -> torch.Tensor:
     """Every kept assignment through its expert, one at a time; over capacity: an expert's first `cap`
     assignments in assignment order are kept."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))  # the combine's dtype
     seen = [0] * experts.num_experts
     for t, e, g in zip(token_idx.tolist(), expert_idx.tolist(), gates, strict=True):
         seen[e] += 1
         if cap is not None and seen[e] > cap:
             continue
-        out[t] = out[t] + g * expert_ffn(experts, e, x[t : t + 1])[0].float()
+        out[t] = out[t] + g * expert_ffn(experts, e, x[t : t + 1])[0].to(out.dtype)
     return out.to(x.dtype)
 
 
@@ -157,6 +159,31 @@ def test_filtered_assignments_and_an_expert_without_tokens():
     # Nothing dispatched at all: zeros, the residual alone.
     none = routing.select(torch.zeros_like(keep))
     assert torch.equal(run_moe(x, none, experts), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dropless", "padded"])
+def test_float64_routing_and_combine_stay_float64(padded):
+    """A float64 model routes and combines in float64: logits are the fp64 product, gates and probs fp64,
+    and the layer equals the dense reference (forward and input gradient) to 1e-12, which fp32 gates miss."""
+    experts = make_experts(dtype=torch.float64)
+    x = torch.randn(11, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(0)
+    router = TopKRouter(D, E, K).double()
+    routing = router(x)
+    assert routing.logits.dtype == routing.probs.dtype == routing.gates.dtype == torch.float64
+    assert torch.equal(routing.logits, F.linear(x, router.gate.weight))
+    pending = (dispatch_padded if padded else dispatch)(x, routing, experts)
+    pending.compute()
+    out = pending.combine()
+    x_ref = x.detach().clone().requires_grad_()
+    ref = dense_reference(x_ref, routing.token_idx, routing.expert_idx, router(x_ref).gates, experts)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    rounded = dense_reference(x_ref.detach(), routing.token_idx, routing.expert_idx, routing.gates.float(), experts)
+    assert not torch.allclose(out, rounded, rtol=0, atol=1e-12)  # fp32 gates would be far outside the tolerance
 
 
 def test_bf16_tokens_return_in_their_dtype():

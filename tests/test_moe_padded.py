@@ -6,7 +6,7 @@
   (== the dropless dispatch with the same capacity and the dense reference) and the drop count is the
   number known from the routing; assignments marked invalid are never sent;
 - whole models, one process: padded == dropless for moe, scmoe and moepp in training mode (logits, the loss
-  with the balance loss, every gradient; fp64 weights, atol 1e-6: the combine weighs rows in fp32 in both);
+  with the balance loss, every gradient; float64, atol 1e-10: a float64 model routes and combines in fp64);
   the drop count 0, and with a small `dispatch_capacity_factor` exactly the overflow the routers' choices
   give (sum over layers and experts of max(0, assignments - C));
 - the runtime switch (`model.set_moe_dispatch`) and the config fields; bad values, one clear error each;
@@ -42,7 +42,7 @@ from tests.test_ep import AUX, EP_ARCHS, build, check_equivalence, fake_ep_mesh,
 from tests.test_moe import D, E, dense_reference, make_experts
 
 ATOL = 1e-5
-ATOL_FP64 = 1e-6
+ATOL_FP64 = 1e-10  # float64 models route and combine in float64 (models/common/moe.py `routing_dtype`)
 
 
 def run(pending):
@@ -152,7 +152,12 @@ def test_padded_capacity_formula_and_bad_inputs():
 
 
 def _step(model, ids):
-    out = model(ids, labels=ids)
+    """One float64 forward and backward. transformers' causal-LM loss casts the logits to fp32
+    (transformers/loss/loss_utils.py), so the loss is a float64 one: the mean of the logits weighted by fixed
+    random weights, plus the aux losses."""
+    out = model(ids)
+    weights = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(8), dtype=out.logits.dtype)
+    out["loss"] = (out.logits * weights).mean() + sum(out.aux_losses.values())  # ModelOutput: key and attribute
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters()}
 

@@ -7,7 +7,7 @@
   the top-1 `moe` with the same weights (Position 2 and Position 1; fp32 atol 1e-5);
 - under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 == one
   process and the collectives for every ep architecture): the overlapped schedule == the serial one in one
-  process, Position 2 and Position 1 (fp32 atol 1e-5);
+  process, Position 2 and Position 1 (fp32 atol 1e-5; Position 2 in float64 too, atol 1e-10);
 - on the simulated link, the overlapped pair exposes less of its all-to-alls than the serial one;
 - bad inputs, one clear error each.
 """
@@ -193,6 +193,8 @@ def ep_checks(mesh):
     serial = {"moe_overlap": False}
     check_equivalence(mesh, "scmoe", reference_overrides=serial, router_aux_loss_coef=0.5)
     check_equivalence(mesh, "scmoe", reference_overrides=serial, shortcut_position=1)
+    # In float64 to 1e-10 (routing and combine follow the model's dtype).
+    check_equivalence(mesh, "scmoe", reference_overrides=serial, dtype=torch.float64, router_aux_loss_coef=0.5)
 
 
 # --- comm modes on the fake process group ------------------------------------------------------------------
