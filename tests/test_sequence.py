@@ -168,7 +168,7 @@ def _model(rank, p):
         expected = dict(reference.named_parameters())
         for param_name, param in model.named_parameters():
             torch.testing.assert_close(
-                param.grad, expected[param_name].grad, rtol=1e-9, atol=1e-10, msg=f"{what}: {param_name}"
+                param.grad, expected[param_name].grad, **TIGHT, msg=f"{what}: {param_name}"
             )
 
 
