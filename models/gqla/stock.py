@@ -25,29 +25,9 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from models.gqla.deepseek import LATENT_NORM_EPS
+from models.gqla.deepseek import CARRIED, LATENT_NORM_EPS
 
-# zoo gqla field -> DeepseekV3Config field, carried as they are.
-CARRIED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "use_cache",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "tie_word_embeddings",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-)
+# zoo gqla field -> DeepseekV3Config field, carried as they are: the same fields as the import's (both ways).
 
 
 def check_exportable(config) -> None:
