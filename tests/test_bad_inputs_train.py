@@ -237,6 +237,47 @@ def test_sigterm_exit_status_is_143(tmp_path):
     assert not (run_dir / "hf").exists()
 
 
+# Rank 0 alone gets SIGTERM (as from `kill <its pid>`) at the start of step 3.
+SIGTERM_RANK_0_AT_STEP_3 = """
+import signal
+from train.module import CausalLMModule
+
+_training_step = CausalLMModule.training_step
+
+
+def training_step(self, batch, batch_idx):
+    if self.global_rank == 0 and self.global_step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _training_step(self, batch, batch_idx)
+
+
+CausalLMModule.training_step = training_step
+"""
+
+
+@pytest.mark.slow  # two processes, twice: ~50 s
+def test_sigterm_to_rank_0_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
+    from tests.test_train_safety import assert_group_ends
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *[o.replace("num_key_value_heads=1", "num_key_value_heads=2") for o in FAST], "parallel=tp2",
+        "trainer.max_steps=6", "logger=csv",
+    ]
+    proc, out = start_wrapped(tmp_path, SIGTERM_RANK_0_AT_STEP_3, run_dir, *overrides)
+    assert proc.wait(timeout=180) == 143, out.read_text()[-3000:]
+    assert_group_ends(proc.pid, timeout=30)  # rank 1 stopped too
+    output = out.read_text()
+    assert output.count("Stopped by SIGTERM at step 4, after writing") == 2, output[-3000:]  # both ranks, one step
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert not (run_dir / "hf").exists()
+
+    proc, out = start_wrapped(tmp_path, "", run_dir, *overrides)
+    assert proc.wait(timeout=180) == 0, out.read_text()[-3000:]
+    assert "Resuming from" in out.read_text()
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
 def test_what_a_failed_run_says_is_on_disk(tmp_path):
     assert checkpoint_on_disk(tmp_path).startswith(f"No checkpoint was written yet ({tmp_path}/checkpoints/last.ckpt")
     (tmp_path / "checkpoints").mkdir()
