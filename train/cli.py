@@ -46,6 +46,13 @@ FULL_ERROR = "HYDRA_FULL_ERROR"
 _SET_BY_US = "OVERLAP_ZOO_ONE_SENTENCE_ERRORS"
 
 
+def same_on_every_rank(error: BaseException) -> BaseException:
+    """Marks `error` as one that every process of a node raises alike (a config check before anything
+    started): `one_sentence` then has it said by local rank 0 only."""
+    error.same_on_every_rank = True
+    return error
+
+
 class ExplainedError(RuntimeError):
     """A failure whose message says what happened and what to do: printed as one line, no traceback.
 
@@ -149,9 +156,9 @@ def one_sentence():
         sentence = explain(error)
         if sentence is None:
             raise
-        if not isinstance(error, ExplainedError) and os.environ.get("LOCAL_RANK", "0") != "0":
-            # a config error of a multi-process launch is the same on every rank of a node: said once, by
-            # local rank 0 (runtime failures, ExplainedError, differ by rank and are said by each)
+        if getattr(error, "same_on_every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
+            # a config check of a multi-process launch (torchrun) fails alike on every rank of a node: said
+            # once, by local rank 0; any other error may be this rank's own and is said by each
             raise SystemExit(getattr(error, "exit_code", 1)) from None
         _write_to_log_files(sentence)
         sys.stdout.flush()

@@ -58,7 +58,7 @@ from models.checkpoint import save_checkpoint
 from parallel.layout import PARALLEL_NAMES
 from parallel.state import full_state_dict
 from train.callbacks import StallNotice, StopOnSigterm
-from train.cli import one_sentence, one_sentence_errors
+from train.cli import one_sentence, one_sentence_errors, same_on_every_rank
 from train.data import CORPUS, is_local_source
 from train.module import (
     NONFINITE_POLICIES,
@@ -618,9 +618,13 @@ def sigterm_outside_fit(trainer: L.Trainer, output_dir: Path):
 
 def train(cfg: DictConfig) -> dict:
     """Runs one pretraining job; returns its metrics and output paths (the same on every rank)."""
-    check_config(cfg)
     output_dir = Path(cfg.paths.output_dir).resolve()
-    check_run_directory(cfg, output_dir)
+    try:
+        check_config(cfg)
+        check_run_directory(cfg, output_dir)
+    except (ValueError, OSError) as error:
+        same_on_every_rank(error)  # under torchrun: said once per node
+        raise
     output_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
