@@ -4,7 +4,8 @@ has "ep"), as tests/test_tp.py does for tp:
 - on gloo: EP 2, EP 4 (where the tiny config's experts split 4 ways) and EP 2 x TP 2 == one process on the
   concatenated batch (logits, the loss with the balance loss, every gradient after parallel.grad_sync; fp32
   atol 1e-5; and float64 atol 1e-10, a float64 model routing and combining in float64, with a float64 loss
-  of its own since transformers' LM loss is computed in fp32); exactly the stacked experts are sharded over ep; one eval forward's real collectives counted
+  of its own since transformers' LM loss is computed in fp32); exactly the stacked experts are sharded over
+  ep; one eval forward's real collectives counted
   against the entry's declaration and against the rows its routers send to the experts;
 - the shared dispatch on uneven routing at EP 2 and 4 (a rank that sends its peers nothing, an expert that
   gets nothing, ranks with different token counts) == the dense reference, forward and backward;
@@ -32,7 +33,8 @@ from tests.distributed import run_ranks
 from tests.test_moe import D, dense_reference, make_experts, run_moe
 
 ATOL = 1e-5
-# float64 models route and combine in float64 (models/common/moe.py `routing_dtype`): only summation order differs.
+# float64 models route and combine in float64 (models/common/moe.py `routing_dtype`): only the summation
+# order differs.
 ATOL_FP64 = 1e-10
 EP_ARCHS = sorted(name for name, e in models.ZOO.items() if "ep" in e.degrees)
 # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
@@ -116,10 +118,12 @@ def check_equivalence(
     parallel.parallelize(sharded, mesh)
 
     if dtype == torch.float64:
-        # transformers' causal-LM loss casts the logits to fp32 (transformers/loss/loss_utils.py), so a float64
-        # comparison uses a float64 loss: the mean of the logits weighted by fixed random weights, plus the
-        # aux losses. Each ep rank's share is its rows' sum times ep / all logits; their mean is the whole's.
-        weights = torch.randn(*ids.shape, sharded.config.vocab_size, generator=torch.Generator().manual_seed(8), dtype=dtype)
+        # transformers' causal-LM loss casts the logits to fp32 (transformers/loss/loss_utils.py), so a
+        # float64 comparison uses a float64 loss: the mean of the logits weighted by fixed random weights,
+        # plus the aux losses. Each ep rank's share is its rows' sum times ep / all logits; their mean is
+        # the whole batch's.
+        shape, seed = (*ids.shape, sharded.config.vocab_size), torch.Generator().manual_seed(8)
+        weights = torch.randn(shape, generator=seed, dtype=dtype)
         ref_out = reference(ids)
         ref_loss = (ref_out.logits * weights).sum() / weights.numel() + sum(ref_out.aux_losses.values())
         out = sharded(ids[rows])
@@ -134,7 +138,9 @@ def check_equivalence(
 
     where = f"{name} at {degrees}"
     assert out.logits.dtype == ref_out.logits.dtype == dtype, where
-    torch.testing.assert_close(out.logits, ref_out.logits[rows], rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
+    torch.testing.assert_close(
+        out.logits, ref_out.logits[rows], rtol=0, atol=atol, msg=lambda m: f"{where}: {m}"
+    )
     # Every ep rank gets the balance loss of the whole batch; the LM losses average to the whole batch's.
     balance, ref_balance = out.aux_losses["load_balance"], ref_out.aux_losses["load_balance"]
     torch.testing.assert_close(balance, ref_balance, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
@@ -150,7 +156,9 @@ def check_equivalence(
     ref_params = dict(reference.named_parameters())
     for pname, p in sharded.named_parameters():
         expected = local_part(ref_params[pname].grad, specs.get(pname, ()))
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=atol, msg=lambda m, n=pname: f"{where}, {n}: {m}")
+        torch.testing.assert_close(
+            p.grad, expected, rtol=0, atol=atol, msg=lambda m, n=pname: f"{where}, {n}: {m}"
+        )
 
 
 # --- collectives -------------------------------------------------------------------------------------
@@ -226,7 +234,8 @@ def count_one_forward(mesh, name: str) -> tuple[int, int]:
 
 def check_uneven_routing(rank: int, group, world_size: int, dtype: torch.dtype = torch.float32) -> None:
     """Rank 0 sends its peers nothing; the last expert gets no token anywhere; ranks route different numbers
-    of tokens; forward and backward equal the dense reference (each rank checks its own tokens), in `dtype`."""
+    of tokens; forward and backward equal the dense reference (each rank checks its own tokens), in
+    `dtype`."""
     atol = ATOL_FP64 if dtype == torch.float64 else ATOL
     num_experts = 2 * world_size
     full = make_experts(num_experts, dtype=dtype)
@@ -237,7 +246,8 @@ def check_uneven_routing(rank: int, group, world_size: int, dtype: torch.dtype =
             setattr(local, name, torch.nn.Parameter(getattr(local, name)[rank * per : (rank + 1) * per].clone()))
     local.num_local_experts = per
     tokens = 5 + rank
-    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(10 + rank), dtype=dtype, requires_grad=True)
+    seed = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(tokens, D, generator=seed, dtype=dtype, requires_grad=True)
     token_idx = torch.arange(tokens).repeat_interleave(2)
     if rank == 0:
         expert_idx = torch.tensor([0, 1] * tokens)  # both of rank 0's own experts

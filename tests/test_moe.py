@@ -166,7 +166,8 @@ def test_float64_routing_and_combine_stay_float64(padded):
     """A float64 model routes and combines in float64: logits are the fp64 product, gates and probs fp64,
     and the layer equals the dense reference (forward and input gradient) to 1e-12, which fp32 gates miss."""
     experts = make_experts(dtype=torch.float64)
-    x = torch.randn(11, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
+    seed = torch.Generator().manual_seed(3)
+    x = torch.randn(11, D, generator=seed, dtype=torch.float64, requires_grad=True)
     torch.manual_seed(0)
     router = TopKRouter(D, E, K).double()
     routing = router(x)
@@ -182,8 +183,10 @@ def test_float64_routing_and_combine_stay_float64(padded):
     out.sum().backward()
     ref.sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
-    rounded = dense_reference(x_ref.detach(), routing.token_idx, routing.expert_idx, routing.gates.float(), experts)
-    assert not torch.allclose(out, rounded, rtol=0, atol=1e-12)  # fp32 gates would be far outside the tolerance
+    # fp32 gates would be far outside the tolerance.
+    rounded_gates = routing.gates.float()
+    rounded = dense_reference(x_ref.detach(), routing.token_idx, routing.expert_idx, rounded_gates, experts)
+    assert not torch.allclose(out, rounded, rtol=0, atol=1e-12)
 
 
 def test_bf16_tokens_return_in_their_dtype():

@@ -156,8 +156,10 @@ def _step(model, ids):
     (transformers/loss/loss_utils.py), so the loss is a float64 one: the mean of the logits weighted by fixed
     random weights, plus the aux losses."""
     out = model(ids)
-    weights = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(8), dtype=out.logits.dtype)
-    out["loss"] = (out.logits * weights).mean() + sum(out.aux_losses.values())  # ModelOutput: key and attribute
+    seed = torch.Generator().manual_seed(8)
+    weights = torch.randn(out.logits.shape, generator=seed, dtype=out.logits.dtype)
+    # Set as an item: a ModelOutput then holds it as both key and attribute.
+    out["loss"] = (out.logits * weights).mean() + sum(out.aux_losses.values())
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters()}
 

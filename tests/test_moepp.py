@@ -3,7 +3,8 @@
 - a layer == a token-by-token reference written from the paper (zero / copy / constant experts, the zero
   expert's weight renormalised away, FFN experts), with its routing fixed through the gating residual and
   with random weights (fp32 atol 1e-5; float64 atol 1e-10: routing and combine follow the model's dtype);
-  a float64 token routed to (zero, copy) comes out as its float64 input exactly; the constant expert; the gating residual within a layer and down
+  a float64 token routed to (zero, copy) comes out as its float64 input exactly; the constant expert; the
+  gating residual within a layer and down
   the stack; capacities (formula, which assignments are kept, the layer with tokens dropped); the
   heterogeneous balance loss; a layer where no token reaches an FFN expert (forward and backward);
 - under expert parallelism, on the ranks of tests/test_ep.py (which checks ep 2, ep 4 and ep 2 x tp 2 == one
@@ -85,7 +86,9 @@ def forced(layer, logits: torch.Tensor):
 # --- the formulas -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, ATOL), (torch.float64, 1e-10)], ids=["fp32", "fp64"])
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [(torch.float32, ATOL), (torch.float64, 1e-10)], ids=["fp32", "fp64"]
+)
 @pytest.mark.parametrize("dispatch", ["dropless", "padded"])
 def test_layer_with_fixed_routing_equals_reference(dtype, atol, dispatch):
     """Every kind of expert, chosen through logits fixed by the gating residual; in float64 to float64's

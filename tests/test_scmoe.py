@@ -194,7 +194,9 @@ def ep_checks(mesh):
     check_equivalence(mesh, "scmoe", reference_overrides=serial, router_aux_loss_coef=0.5)
     check_equivalence(mesh, "scmoe", reference_overrides=serial, shortcut_position=1)
     # In float64 to 1e-10 (routing and combine follow the model's dtype).
-    check_equivalence(mesh, "scmoe", reference_overrides=serial, dtype=torch.float64, router_aux_loss_coef=0.5)
+    check_equivalence(
+        mesh, "scmoe", reference_overrides=serial, dtype=torch.float64, router_aux_loss_coef=0.5
+    )
 
 
 # --- comm modes on the fake process group ------------------------------------------------------------------

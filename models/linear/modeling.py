@@ -233,11 +233,12 @@ class LinearAttention(nn.Module):
             # log lambda = logsigmoid(decay_logits): always < 0, so the state never grows without bound.
             self.decay_logits = nn.Parameter(learned_decay_init(self.num_heads).float())
         elif self.decay != "none":
-            # The exact fp64 values, kept as their bits (int64): nn.Module.to(dtype) casts floating buffers,
-            # and a bf16 model's bf16 decays would be off by 2^-9 relative (lambda^t drifts over long
-            # sequences); an integer buffer moves with .to(device) and is never cast. `log_decay` gives them in
-            # the compute dtype: fp32-rounded for bf16 / fp16 / fp32 models, exact in a float64 one. Not in
-            # checkpoints (it follows from the config); rebuilt after meta-device loading (_init_weights).
+            # The exact fp64 values, kept as their bits (int64): nn.Module.to(dtype) casts floating
+            # buffers, and a bf16 model's bf16 decays would be off by up to 2^-9 relative (lambda^t drifts
+            # over long sequences); an integer buffer moves with .to(device) and is never cast. `log_decay`
+            # gives them in the compute dtype: fp32-rounded for bf16 / fp16 / fp32 models, exact in a
+            # float64 one. Not in checkpoints (it follows from the config); rebuilt after meta-device
+            # loading (_init_weights).
             values = fixed_log_decay(self.decay, self.num_heads, layer_idx, config.num_hidden_layers)
             self.register_buffer("fixed_log_decay_bits", values.view(torch.int64), persistent=False)
         self.num_layers = config.num_hidden_layers

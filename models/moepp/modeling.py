@@ -215,7 +215,8 @@ class MoePlusPlus(nn.Module):
 
     def zero_computation_dense(self, x: torch.Tensor, routing: Routing, local: torch.Tensor) -> torch.Tensor:
         """`zero_computation` without a selection (the padded dispatch's: every size fixed): the copy and
-        constant experts computed for every assignment, those not `local` masked to 0. [T, d] in routing_dtype."""
+        constant experts computed for every assignment, those not `local` masked to 0. [T, d] in
+        routing_dtype."""
         k, num_tokens = self.config.num_experts_per_tok, x.shape[0]
         rows = x[routing.token_idx]  # copy experts: E(x) = x
         n_constant = self.constant_experts.constant.shape[0]
