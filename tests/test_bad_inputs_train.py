@@ -181,6 +181,11 @@ def test_continuing_a_finished_run_is_the_run_that_never_stopped(tmp_path, strai
     # same data position (the rest of epoch 0, not a new epoch) and the same lr at every step
     assert continued["val_at_end"] == expected_result["val_at_end"]
     assert_same_weights(tmp_path / "hf", expected)
+    # and a rerun of the finished run has nothing left to do
+    caplog.set_level("INFO", logger="train.pretrain")
+    again = run(tmp_path, "trainer.max_steps=4", "optimizer.warmup_steps=3")
+    assert again["global_step"] == 4 and "is already at trainer.max_steps=4: nothing left to train" in caplog.text
+    assert_same_weights(tmp_path / "hf", expected)
 
 
 class SendSigterm(L.Callback):
