@@ -218,6 +218,6 @@ class StallNotice(L.Callback):
                     else "there is no timeout"
                 )
                 log.warning(
-                    f"Rank 0 has finished no batch for {idle:.0f} s (at step {self._step}): it is waiting for the "
+                    f"Rank 0 has finished no batch for {self.after_s:g} s (at step {self._step}): it is waiting for the "
                     f"other ranks in a collective; if one of them stopped or hung, {gives_up}."
                 )
