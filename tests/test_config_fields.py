@@ -187,3 +187,12 @@ def test_another_architectures_config_says_so(tmp_path):
     )
     with pytest.raises(ValueError, match="model_type='deepseek_v3', another architecture's than ZooGQLAConfig's"):
         models.ZooGQLAConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(models.ZOO))
+@pytest.mark.parametrize(("field", "value"), [("num_attention_heads", 0), ("hidden_size", -64), ("num_hidden_layers", 0)])
+def test_a_size_that_is_not_positive_is_one_sentence(name, field, value):
+    # num_attention_heads=0 used to end in transformers' bare ZeroDivisionError (head_dim = hidden / heads).
+    entry = models.ZOO[name]
+    with pytest.raises(ValueError, match=rf"^{field}={value} must be a positive integer\.$"):
+        entry.tiny(**{field: value})

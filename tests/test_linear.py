@@ -207,7 +207,7 @@ def test_learned_decay_trains_and_reloads(tmp_path):
 
 
 def test_layer_pattern_builds_the_layers():
-    model = tiny("linear", layer_pattern="LLN", num_hidden_layers=5)
+    model = tiny("linear", layer_pattern="LLNLL", num_hidden_layers=5)
     kinds = "".join(
         "L" if isinstance(layer.self_attn, LinearAttention) else "N" for layer in model.model.layers
     )
@@ -419,6 +419,11 @@ def test_sequence_parallel_hook_calls_the_configured_functions(monkeypatch):
         ),
         ({"layer_pattern": "llln"}, r"layer_pattern='llln' must be .*\['l', 'n'\] are neither"),
         ({"layer_pattern": ""}, r"layer_pattern='' must be a non-empty string"),
+        (
+            {"layer_pattern": "LLN"},  # over 4 layers it would silently be L L N L
+            r"layer_pattern='LLN' \(3 letters\) does not repeat a whole number of times over num_hidden_layers=4: "
+            r"it would give 'LLNL'; .* a pattern of \[1, 2, 4\] letters",
+        ),
         (
             {"layer_pattern": "LLLLN"},
             r"layer_pattern='LLLLN' has 5 letters but the model has num_hidden_layers=4",

@@ -1,7 +1,7 @@
 """Configuration of Linear-Llama (`linear`): a Llama config plus the linear-attention fields.
 
-- `layer_pattern`: which sequence mixer each layer has, one letter per layer, the string repeated over
-  the layers: `L` = linear attention (models/linear/modeling.py), `N` = normal softmax attention (the
+- `layer_pattern`: which sequence mixer each layer has, one letter per layer, the string repeated a whole
+  number of times over the layers (its length divides num_hidden_layers; write a pattern out in full otherwise): `L` = linear attention (models/linear/modeling.py), `N` = normal softmax attention (the
   shared Attention, with RoPE and a KV cache). "L" (default) is a pure linear model; "LLLN" is the LASP-2
   paper's hybrid, one softmax layer in four. `num_key_value_heads` applies to the N layers only; a linear
   layer has `num_attention_heads` heads of `head_dim` for q, k and v alike.
@@ -45,6 +45,16 @@ class ZooLinearConfig(ZooLlamaConfig):
             raise ValueError(
                 f"layer_pattern={pattern!r} has {len(pattern)} letters but the model has num_hidden_layers={layers}; "
                 f"the pattern is repeated over the layers, so use at most {layers} letters."
+            )
+        if layers % len(pattern):
+            # A pattern cut off at the last layer is most likely not what was meant ('LLN' over 4 layers would
+            # be L L N L): write every layer out, or repeat a pattern whole.
+            repeated = (pattern * layers)[:layers]
+            fits = [n for n in range(1, layers + 1) if layers % n == 0]
+            raise ValueError(
+                f"layer_pattern={pattern!r} ({len(pattern)} letters) does not repeat a whole number of times over "
+                f"num_hidden_layers={layers}: it would give {repeated!r}; write that out as the pattern if it is what "
+                f"you mean, or use a pattern of {fits} letters."
             )
         if self.decay not in DECAYS:
             raise ValueError(f"decay={self.decay!r} is not a linear-attention decay; use one of {DECAYS}.")

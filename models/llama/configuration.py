@@ -77,6 +77,22 @@ def check_fields(config_class, names) -> None:
     )
 
 
+# The sizes a model is built from: each a positive integer (num_key_value_heads may be None: = the heads).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+
+
+def check_sizes(config) -> None:
+    """One clear error for a size that is not a positive integer (`num_attention_heads=0` would otherwise end in
+    a bare ZeroDivisionError inside transformers)."""
+    for name in SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if value is None and name == "num_key_value_heads":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
 def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int) -> None:
     if num_attention_heads <= 0 or num_key_value_heads <= 0:
         raise ValueError(
@@ -121,6 +137,8 @@ class ZooLlamaConfig(LlamaConfig):
     def __post_init__(self, **kwargs):
         # `kwargs` are the keywords that are not dataclass fields: the place where an unknown one shows.
         check_fields(type(self), kwargs)
+        # Before transformers' own __post_init__, which divides by some of them (head_dim = hidden / heads).
+        check_sizes(self)
         super().__post_init__(**kwargs)
         # A config read from another architecture's config.json (an HF Llama, say) keeps that file's
         # model_type as an instance attribute; saved as is, it would reload as the other architecture.
