@@ -320,6 +320,14 @@ def test_init_from_with_nan_weights_is_refused_naming_them(tmp_path):
         run(tmp_path / "run", f"+model.init_from={hf}", "trainer.max_steps=1")
 
 
+def test_init_from_with_a_config_typo_is_refused_naming_the_field(tmp_path):
+    # model.config is compared against the loaded checkpoint's config; a field no config has used to pass unseen.
+    run(tmp_path / "source", "trainer.max_steps=1")
+    hf = tmp_path / "source" / "hf"
+    with pytest.raises(ValueError, match=r"has no field 'num_attention_head' \(did you mean 'num_attention_heads'\?\)"):
+        run(tmp_path / "run", f"+model.init_from={hf}", "+model.config.num_attention_head=4", "trainer.max_steps=1")
+
+
 # ----------------------------------------------------------------------------------- at the console
 
 

@@ -32,6 +32,7 @@ from torch import nn
 import models
 import parallel
 from models.common.moe import TopKRouter, update_balance_biases
+from models.llama.configuration import check_fields
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
 from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
@@ -151,6 +152,8 @@ class CausalLMModule(L.LightningModule):
             # starts fit from the mode it finds.
             self.model = models.get(model_name).model_class.from_pretrained(init_from).train()
             config = self.model.config
+            # A field the architecture does not know (a typo in model.config) is refused, as on every other path.
+            check_fields(type(config), model_config)
             differ = {k: v for k, v in {**model_config, "vocab_size": vocab_size}.items() if getattr(config, k, v) != v}
             if differ:
                 raise ValueError(
