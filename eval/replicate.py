@@ -249,7 +249,8 @@ def plot(path: Path, result: dict) -> Path:
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
 
-    bars(axes[0], [(r["arch"], r[LOSS]) for r in rows], "final validation loss (mean, +-std, min-max, seeds)", "nats")
+    bars(axes[0], [(r["arch"], r[LOSS]) for r in rows],
+         "final validation loss (diamond: mean; thick: +-std; thin: min-max; dots: seeds)", "nats")
     diffs = [(f"{r['arch']} - {r['baseline']}", r["diff_loss"]) for r in rows if r.get("diff_loss")]
     if diffs:
         bars(axes[1], diffs, "paired difference to the baseline, per seed", "nats (< 0: better than the baseline)")
@@ -300,7 +301,9 @@ def markdown(result: dict, elapsed_s: float) -> str:
         "Values: mean +- sample std (ddof 1) [min, max] over the seeds. Differences to the baseline are PAIRED: per "
         "seed, the architecture's value minus its baseline's at the same seed, then the spread of those "
         "differences. **every seed agrees**: every seed's difference has the same sign, i.e. the difference is "
-        "larger than the seed-to-seed noise at this budget (with 3 seeds, a weak test: 1 in 4 by chance).",
+        "larger than the seed-to-seed noise at this budget; a weak test with few seeds (a difference of pure "
+        f"noise, symmetric about 0, passes it with probability {2 ** (1 - len(st['seeds'])):.2g} at "
+        f"{len(st['seeds'])} seeds).",
         "",
         report.write_markdown_table(quality, list(quality[0])) if quality else "(no runs)",
         "",
