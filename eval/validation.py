@@ -55,7 +55,7 @@ def ladder_cells(result: dict) -> list[dict]:
 
 def finish_row(row: dict) -> dict:
     """A held-out row with its ratio (predicted / published) and whether it is within the target, per cell too."""
-    missing = [k for k in ("paper", "source", "headline", "setting", "published", "predicted", "cells") if k not in row]
+    missing = [k for k in heldout.ROW_KEYS if k not in row and k not in heldout.OPTIONAL_KEYS]
     if missing:
         raise ValueError(f"A held-out row lacks {missing} (eval/simulator/heldout/__init__.py names the keys).")
     row = dict(row)
