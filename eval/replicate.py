@@ -121,11 +121,11 @@ def moe_counts(c: DictConfig, hf_dir: str, batches: int) -> dict:
     the MoE layers, counted on `batches` validation batches; and the FFN experts' width."""
     from transformers import AutoModelForCausalLM
 
+    from eval.tour import active_parameters
     from models.common.moe import GroupedExperts, TopKRouter
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    formula = getattr(model.config, "num_active_parameters_formula", None)
-    out = {"num_active_parameters": formula() if formula is not None else model.num_parameters()}
+    out = {"num_active_parameters": active_parameters(hf_dir, model.num_parameters())}
     layers = [m for m in model.modules()
               if isinstance(getattr(m, "router", None), TopKRouter) and isinstance(getattr(m, "experts", None), GroupedExperts)]  # fmt: skip
     if not layers or batches <= 0:
