@@ -44,7 +44,7 @@ launched, then waited before the next is issued), charged on every send_recv, in
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,14 @@ def all_to_all_time(
         base = max(link.intra.base_s, link.inter.base_s)
         return base + (world_size - 1) * link.inter.alpha_s + max(sent_bytes, received_bytes) / link.inter.beta_Bps
     return link.base_s + (world_size - 1) * link.alpha_s + max(sent_bytes, received_bytes) / link.beta_Bps
+
+
+def without_bandwidth(link: "LinkPreset | HierarchicalLink") -> "LinkPreset | HierarchicalLink":
+    """`link` with unlimited bandwidth: what a collective then costs is the link's latency alone."""
+    inf = float("inf")
+    if isinstance(link, HierarchicalLink):
+        return replace(link, intra=replace(link.intra, beta_Bps=inf), inter=replace(link.inter, beta_Bps=inf))
+    return replace(link, beta_Bps=inf)
 
 
 def get_link(name_or_preset: "str | LinkPreset | HierarchicalLink") -> "LinkPreset | HierarchicalLink":

@@ -23,7 +23,7 @@ the fill level on the device: the reference's, and the real bench's compiled pat
 generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,14 @@ import models
 import parallel
 from eval.simulator.device import DeviceClock, DeviceModel
 from parallel import comm
-from parallel.link import ClockRecorder, LinkPreset, all_to_all_time, collective_time, get_links
+from parallel.link import (
+    ClockRecorder,
+    LinkPreset,
+    all_to_all_time,
+    collective_time,
+    get_links,
+    without_bandwidth,
+)
 
 # The upper bound: the same run with every collective free.
 NO_COMM = LinkPreset("no-comm", 0.0, float("inf"), "upper bound: communication costs nothing")
@@ -108,10 +115,10 @@ def bandwidth_share(calls, link) -> float:
         p = rest[0] if rest and rest[0] is not None else kwargs.get("world_size")
         dim = rest[1] if len(rest) > 1 else kwargs.get("dim")
         preset = links[dim] if isinstance(links, dict) else links
-        if p is None or p <= 1 or preset.beta_Bps == float("inf"):
+        free = without_bandwidth(preset)
+        if p is None or p <= 1 or free == preset:  # no collective, or a link with no bandwidth term
             continue
         peer = kwargs.get("peer_bytes")
-        free = replace(preset, beta_Bps=float("inf"))
         if peer is not None:
             total += all_to_all_time(*peer, p, preset)
             latency += all_to_all_time(*peer, p, free)

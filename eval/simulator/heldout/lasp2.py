@@ -40,7 +40,8 @@ import models
 from eval.bench.sp import build_sp_trunk, fake_sp_mesh, sp_inputs, sp_record
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.heldout import device_model
-from parallel.link import LINK_PRESETS, HierarchicalLink, all_to_all_time, collective_time
+from eval.simulator.replay import bandwidth_share
+from parallel.link import LINK_PRESETS, HierarchicalLink, collective_time
 
 PAPER = "lasp2"
 
@@ -111,31 +112,6 @@ def _setting(quick: bool) -> dict:
     return {"shape": SHAPE, "p": P, "lengths": LENGTHS, "headline_n": HEADLINE_N, "link": DGX_A100_IB}
 
 
-def _free(link: HierarchicalLink) -> HierarchicalLink:
-    """The link with unlimited bandwidth: what is left is its latency (for the contention's bandwidth share)."""
-    inf = float("inf")
-    return dataclasses.replace(link, intra=dataclasses.replace(link.intra, beta_Bps=inf),
-                               inter=dataclasses.replace(link.inter, beta_Bps=inf))  # fmt: skip
-
-
-def _bandwidth_share(calls, p: int, link: HierarchicalLink) -> float:
-    """Share of the recorded collectives' link time that is bandwidth-bound (as eval.simulator.replay's)."""
-    total = latency = 0.0
-    for name, args, kwargs in calls:
-        if name != "issue":
-            continue
-        kind, nbytes = args[0], args[1]
-        world = (args[2] if len(args) > 2 else None) or kwargs.get("world_size") or p
-        peer = kwargs.get("peer_bytes")
-        if peer is not None:
-            total += all_to_all_time(*peer, world, link)
-            latency += all_to_all_time(*peer, world, _free(link))
-        else:
-            total += collective_time(kind, nbytes, world, link)
-            latency += collective_time(kind, nbytes, world, _free(link))
-    return 0.0 if total <= 0 else (total - latency) / total
-
-
 def record_layer(shape: dict, method: str, n: int, p: int) -> dict:
     """One decoder layer of `method` on rank P-1, forward + backward, recorded on the meta device (sp_record)."""
     cfg = _cfg(shape, 1)
@@ -156,7 +132,7 @@ def layer_time(run: dict, dm: DeviceModel, link: HierarchicalLink, p: int) -> di
     times = run["clock"].times(dm)
     _, total = run["recorder"].replay(link, times)
     overlapped = max(0.0, total["busy"] - total["exposed"])
-    contention = dm.contention_at(_bandwidth_share(run["recorder"].calls, p, link))
+    contention = dm.contention_at(bandwidth_share(run["recorder"].calls, link))
     return {"time": total["time"] + contention * overlapped, "exposed": total["exposed"], "busy": total["busy"],
             "compute": times[-1], "busy_by": total["busy_by"], "exposed_by": total["exposed_by"]}  # fmt: skip
 
