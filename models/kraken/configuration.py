@@ -53,6 +53,8 @@ CONJUNCTION_INITS = ("random", "mean", "identity")
 
 class ZooKrakenConfig(ZooLlamaConfig):
     model_type = "zoo_kraken"
+    # intermediate_size is one stream's MLP width here: validate() says so in its own error.
+    size_fields = tuple(f for f in ZooLlamaConfig.size_fields if f != "intermediate_size")
 
     kraken_degree: int = 2
     conjunction_init: str = "random"

@@ -84,8 +84,9 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 def check_sizes(config) -> None:
     """One clear error for a size that is not a positive integer (`num_attention_heads=0` would otherwise end in
-    a bare ZeroDivisionError inside transformers)."""
-    for name in SIZE_FIELDS:
+    a bare ZeroDivisionError inside transformers). The fields are the class's `size_fields`: a subclass whose own
+    `validate` says more about one of them (what it means there) leaves it out."""
+    for name in type(config).size_fields:
         value = getattr(config, name, None)
         if value is None and name == "num_key_value_heads":
             continue
@@ -133,6 +134,7 @@ def without_fields_of_source(config_class, config_dict: dict) -> dict:
 
 class ZooLlamaConfig(LlamaConfig):
     model_type = "zoo_llama"
+    size_fields = SIZE_FIELDS  # checked by `check_sizes` before transformers' __post_init__ (a class attribute)
 
     def __post_init__(self, **kwargs):
         # `kwargs` are the keywords that are not dataclass fields: the place where an unknown one shows.
