@@ -130,19 +130,26 @@ def share_files(directory: str | Path, since: float = 0.0) -> None:
             path.chmod(mode)
 
 
+def nonfinite_counts(named_tensors) -> list[tuple[str, int, int, int]]:
+    """(name, NaN count, inf count, numel) of every floating-point tensor of `named_tensors` ((name, value) pairs:
+    a state dict's items, named_parameters) that holds NaN or infinite values; other values and meta tensors are
+    skipped. The one scan behind the loaders' refusals (here and train.module.nonfinite_tensors)."""
+    found = []
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.device.type == "meta":
+            continue
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        if nan or inf:
+            found.append((name, nan, inf, tensor.numel()))
+    return found
+
+
 def check_finite_weights(model: torch.nn.Module, source: str) -> None:
     """Raise ValueError naming every parameter or buffer of `model` that holds NaN or infinite values.
 
     `source` says where the model came from (e.g. "checkpoint=outputs/.../hf"), for the message."""
-    bad = []
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, tensor in tensors:
-        if not tensor.is_floating_point() or tensor.device.type == "meta":
-            continue
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            count = int((~finite).sum())
-            bad.append(f"{name} ({count} of {tensor.numel()} values)")
+    bad = [f"{name} ({nan + inf} of {numel} values)" for name, nan, inf, numel in nonfinite_counts(tensors)]
     if bad:
         shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise ValueError(
@@ -164,6 +171,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "apply_special_tokens",
     "check_finite_weights",
+    "nonfinite_counts",
     "drop_loading_options",
     "save_checkpoint",
     "share_files",

@@ -31,6 +31,7 @@ from torch import nn
 
 import models
 import parallel
+from models.checkpoint import nonfinite_counts
 from models.common.moe import TopKRouter, update_balance_biases
 from models.llama.configuration import check_fields
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
@@ -67,13 +68,9 @@ def nonfinite_tensors(state: dict, limit: int = 5) -> list[str]:
     """The floating-point tensors of `state` holding NaN or infinite values, as `name (k NaN, j inf of n)`
     (the first `limit`, then how many more)."""
     found = []
-    for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            continue
-        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
-        if nan or inf:
-            parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
-            found.append(f"{name} ({', '.join(p for p in parts if p)} of {tensor.numel()})")
+    for name, nan, inf, numel in nonfinite_counts(state.items()):
+        parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+        found.append(f"{name} ({', '.join(p for p in parts if p)} of {numel})")
     if len(found) > limit:
         found = [*found[:limit], f"and {len(found) - limit} more"]
     return found
