@@ -2,6 +2,7 @@
 
     python -m eval.replicate out_dir=reports/quality-seeds     # the committed report (hours on 2 CPU cores)
     python -m eval.replicate archs=[llama,kraken] seeds=[42,43] max_steps=40 out_dir=/tmp/smoke
+    python -m eval.replicate out_dir=reports/quality-seeds train=false  # the report from the runs done so far
 
 Each label of `archs` (a model config, conf/model/<name>.yaml, or a `variants` entry: a model config plus
 pretrain overrides) is pretrained once per seed of `seeds` with the tour's pretraining (train.pretrain called
@@ -16,6 +17,9 @@ each row says whether it is compared at equal active parameters or at equal expe
 
 Resumable: every finished run is written to `out_dir`/seeds/<label>-seed<N>.json at once and skipped by a rerun
 with the same settings; a run killed half-way continues from its last checkpoint under `runs_dir`.
+`train=false` trains nothing: the report is written from the finished runs on disk, names the runs still missing,
+and computes every spread and paired difference over the seeds that are there (a report while runs are under way,
+or from several processes each given its own `seeds`).
 """
 
 import json
@@ -307,6 +311,19 @@ def markdown(result: dict, elapsed_s: float) -> str:
         "",
         report.write_markdown_table(quality, list(quality[0])) if quality else "(no runs)",
         "",
+    ]
+    if result.get("missing"):
+        by_arch: dict[str, list[int]] = {}
+        for m in result["missing"]:
+            by_arch.setdefault(m["arch"], []).append(m["seed"])
+        lines += [
+            f"**Partial report** (`train=false`): {len(result['missing'])} runs of these settings are not trained "
+            "yet, and every mean, spread and paired difference above is over the seeds that are: "
+            + "; ".join(f"{a} (seeds {', '.join(map(str, s))})" for a, s in by_arch.items())
+            + ". The same command without `train=false` trains them (the finished runs are kept).",
+            "",
+        ]
+    lines += [
         "![final validation loss over seeds](quality_seeds.png)",
         "",
     ]
@@ -361,9 +378,13 @@ def replicate(cfg: DictConfig) -> dict:
     specs = run_specs(cfg)
     records: dict[str, dict[int, dict]] = {}
     todo = [(label, seed) for seed in cfg.seeds for label in specs]  # seed-major: a partial run has whole seeds
+    missing = []
     for i, (label, seed) in enumerate(todo, 1):
         spec = specs[label]
         record = done_record(record_path(out_dir, label, seed), pretrain_overrides(cfg, spec, seed))
+        if record is None and not cfg.train:  # report only: what is on disk, the rest named as missing
+            missing.append((label, seed))
+            continue
         if record is None:
             print(f"[replicate] {i}/{len(todo)}: training {label} seed {seed}", flush=True)
             record = train_one(cfg, label, spec, seed, out_dir)
@@ -372,6 +393,9 @@ def replicate(cfg: DictConfig) -> dict:
             print(f"[replicate] {i}/{len(todo)}: {label} seed {seed} already done, val loss {record[LOSS]:.4f}", flush=True)
         records.setdefault(label, {})[seed] = record
     result = summarise(cfg, specs, records)
+    result["missing"] = [{"arch": label, "seed": seed} for label, seed in missing]
+    if missing:
+        print(f"[replicate] train=false: {len(missing)} of {len(todo)} runs not trained yet, left out", flush=True)
     elapsed = time.perf_counter() - started
     result["elapsed_s"] = elapsed
     report.write_json(out_dir / "results.json", result)

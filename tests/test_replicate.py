@@ -86,3 +86,15 @@ def test_rerun_skips_done_runs_and_reruns_changed_ones(first, monkeypatch):
     overrides = json.loads(path.read_text())["overrides"]
     assert replicate_app.done_record(path, overrides) is not None
     assert replicate_app.done_record(path, [o.replace("max_steps=3", "max_steps=4") for o in overrides]) is None
+
+
+def test_train_false_reports_what_is_on_disk_and_names_the_rest(first, monkeypatch):
+    out, result = first
+    monkeypatch.setattr(replicate_app, "train_one", lambda *a: pytest.fail("train=false trained a run"))
+    (out / "seeds" / "moepp-seed43.json").unlink(missing_ok=True)
+    partial = run(out, "train=false")
+    assert partial["missing"] == [{"arch": "moepp", "seed": 43}]
+    rows = {r["arch"]: r for r in partial["rows"]}
+    assert rows["moe"]["val_loss"]["n"] == 2 and rows["moepp"]["val_loss"]["n"] == 1
+    assert rows["moepp"]["diff_loss"]["seeds"] == [42]  # paired over the seeds both have
+    assert "Partial report" in (out / "README.md").read_text() and "moepp (seeds 43)" in (out / "README.md").read_text()
