@@ -11,6 +11,7 @@ per family (`benches`), each against its own baseline (the tensor-parallel archi
 the MoE family over expert parallelism against moe).
 """
 
+import json
 import math
 import shutil
 import time
@@ -39,7 +40,8 @@ def pretrain_all(cfg: DictConfig, run_dir: Path) -> dict[str, dict]:
     for arch in cfg.archs:
         print(f"[tour] pretraining {arch}", flush=True)
         started = time.perf_counter()
-        c = _compose("pretrain", [f"model={arch}", *cfg.pretrain_overrides, f"seed={cfg.seed}"])
+        model = (cfg.get("model_configs") or {}).get(arch, arch)
+        c = _compose("pretrain", [f"model={model}", *cfg.pretrain_overrides, f"seed={cfg.seed}"])
         c.paths.output_dir = str(run_dir / "pretrain" / arch)
         results[arch] = train(c)
         results[arch]["num_active_parameters"] = active_parameters(results[arch]["hf_dir"], results[arch]["num_parameters"])
@@ -305,6 +307,30 @@ def conversion_lines(converted: dict[str, dict]) -> list[str]:
     return lines
 
 
+def seed_noise_line(path: str | None) -> str:
+    """What one seed's numbers can tell apart: the seed-to-seed spread of eval.replicate's report at `path`
+    (the range of its per-architecture sample std of the final validation loss, and of the paired differences
+    to the baseline), or, without that report, the command that measures it."""
+    results = Path(path) if path else None
+    if results is None or not results.is_file():
+        return ("**One seed.** Every row above is one training run; the same architecture trained with another "
+                "seed lands elsewhere, by about as much as the differences between rows at this budget. "
+                "`python -m eval.replicate` measures that spread (3 seeds, paired differences to each baseline).")
+    r = json.loads(results.read_text())
+    st = r["settings"]
+    stds = [row["val_loss"]["std"] for row in r["rows"] if row["val_loss"]["std"] is not None]
+    diffs = [row["diff_loss"]["std"] for row in r["rows"] if row.get("diff_loss") and row["diff_loss"]["std"] is not None]
+    if not stds:
+        return f"**One seed.** Every row above is one training run ({results} has no spread yet)."
+    line = (f"**One seed.** Every row above is one training run. In `{results.parent}` ({len(st['seeds'])} seeds, "
+            f"{st['max_steps']} steps of the same pretraining) one architecture's final validation loss has a "
+            f"seed-to-seed sample std of {min(stds):.3f}-{max(stds):.3f} nats")
+    if diffs:
+        line += f", and its paired difference to its baseline one of {min(diffs):.3f}-{max(diffs):.3f} nats"
+    return line + ("; a difference between two rows here that is not well above that is not a result (that "
+                   "README gives each architecture's mean and spread).")
+
+
 def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapsed) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     archs = list(cfg.archs)
@@ -336,20 +362,26 @@ def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapse
         "",
         "## Quality at equal tokens",
         "",
-        f"Each architecture: the tiny config (`conf/model/<arch>.yaml`), trained with "
-        f"`{' '.join(cfg.pretrain_overrides)}` on the bundled corpus; evaluated on the held-out plays. "
+        f"Each architecture: the tiny config (`conf/model/<arch>.yaml`, or the `model_configs` entry: "
+        f"{', '.join(f'{a} = `conf/model/{m}.yaml`' for a, m in (cfg.get('model_configs') or {}).items()) or 'none'}), "
+        f"trained with `{' '.join(cfg.pretrain_overrides)}` on the bundled corpus, seed {cfg.seed}; evaluated on "
+        "the held-out plays. "
         "**params** counts every parameter, **active params** those one token's forward uses (the configs' "
         "`num_active_parameters_formula()`: all but the experts a token is not routed to). The MoE configs are "
-        "sized for equal ACTIVE parameters: each token can use as many as in llama (within 0.5%: moe top-2 of 4 "
-        "experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp top-2 of 4 FFN + 4 "
-        "zero-computation experts), with about 30% more parameters in all (the experts). For MoE++ that count "
+        "sized for equal ACTIVE parameters: each token can use as many as in llama (within 0.6%: moe top-2 of 4 "
+        "experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp, at the MoE++ paper's ratio, "
+        "top-2 of 8 FFN experts as wide as moe's + 1 zero, 1 copy and 2 constant experts), with more parameters in "
+        "all (the experts). For MoE++ that count "
         "is an upper bound, two FFN experts per token: a token routed to a zero-computation expert runs one or "
         "none, and at the load its balance loss aims for a token runs k_eff = 2 tau N_FFN / (tau N_FFN + N_ZC) "
-        "FFN experts on average (0.86 with conf/model/moepp.yaml's 4 FFN + 4 zero-computation experts at tau "
-        "0.75, against moe's 2): less compute per token on average, by design. **cloze log-lik/word**: the mean "
+        "FFN experts on average (1.2 with 8 FFN + 4 zero-computation experts at tau 0.75, against moe's 2): less "
+        "compute per token on average, by design; eval.replicate compares it at equal expert compute too. "
+        "**cloze log-lik/word**: the mean "
         "log-likelihood (nats, higher is better) of the held-out word in `shakespeare_cloze`, log P(word | "
         "context); the task's accuracy (the word is the model's greedy continuation) is 0 for every model this "
         "small, so it is not shown.",
+        "",
+        seed_noise_line(cfg.get("seed_noise")),
         "",
         report.write_markdown_table(q_rows, list(q_rows[0])),
         "",

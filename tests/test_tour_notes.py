@@ -1,0 +1,34 @@
+"""The tour's quality section: MoE++ pretrained at the paper's expert ratio (issue 22), and the one-seed note
+quoting eval.replicate's measured spread (or, without that report, naming the command that measures it)."""
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from eval.tour import seed_noise_line
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def test_tour_pretrains_moepp_at_the_papers_ratio():
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        tour = compose("tour")
+        model = tour.model_configs.get("moepp", "moepp")
+        c = compose("pretrain", [f"model={model}"]).model.config
+    zero = c.num_zero_experts + c.num_copy_experts + c.num_constant_experts
+    assert (c.num_local_experts, zero) == (8, 4)  # the 0.6B configuration's 8 FFN + 1/1/2
+    assert zero / (zero + c.num_local_experts) <= 1 / 3  # every configuration of the paper: a third or fewer
+    assert "moepp" in tour.archs
+
+
+def test_seed_noise_line_quotes_the_replication(tmp_path):
+    assert "python -m eval.replicate" in seed_noise_line(str(tmp_path / "absent.json"))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"settings": {"seeds": [42, 43, 44], "max_steps": 400}, "rows": [
+        {"arch": "llama", "val_loss": {"std": 0.021}},
+        {"arch": "ladder", "val_loss": {"std": 0.034}, "diff_loss": {"std": 0.012}},
+        {"arch": "kraken", "val_loss": {"std": None}, "diff_loss": {"std": None}},  # one seed: no spread
+    ]}))  # fmt: skip
+    line = seed_noise_line(str(results))
+    assert "3 seeds, 400 steps" in line and "0.021-0.034 nats" in line and "0.012-0.012 nats" in line
