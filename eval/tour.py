@@ -27,6 +27,7 @@ from eval import report
 from eval.bench.decode_paths_report import decode_paths_section
 from eval.bench.settings import degrees_label, link_label, ranks
 from eval.bench.sp_report import sp_section
+from models.moepp import entry as moepp_entry
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
@@ -307,6 +308,24 @@ def conversion_lines(converted: dict[str, dict]) -> list[str]:
     return lines
 
 
+def zero_computation_mix(pretrained: dict[str, dict]) -> str:
+    """Each trained MoE++ model's expert mix, read from its saved config (so the text follows `model_configs`):
+    top-k of N_FFN FFN experts + the zero / copy / constant experts, their share of all experts, and k_eff at
+    the load the balance loss aims for (models/moepp/entry.py)."""
+    parts = []
+    for arch, result in pretrained.items():
+        c = AutoConfig.from_pretrained(result["hf_dir"])
+        if not hasattr(c, "num_zc_experts"):
+            continue
+        share = c.num_zc_experts / c.num_total_experts
+        parts.append(
+            f"{arch}: top-{c.num_experts_per_tok} of {c.num_local_experts} FFN experts {c.intermediate_size} wide + "
+            f"{c.num_zero_experts} zero, {c.num_copy_experts} copy and {c.num_constant_experts} constant experts "
+            f"(zero-computation experts {share:.0%} of all), k_eff {moepp_entry.k_eff(c):.2f} at tau {c.tau:g}"
+        )
+    return "; ".join(parts) or "no MoE++ model in this tour"
+
+
 def seed_noise_line(path: str | None) -> str:
     """What one seed's numbers can tell apart: the seed-to-seed spread of eval.replicate's report at `path`
     (the range of its per-architecture sample std of the final validation loss, and of the paired differences
@@ -369,12 +388,11 @@ def write_report(cfg, out: Path, pretrained, converted, quality, benches, elapse
         "**params** counts every parameter, **active params** those one token's forward uses (the configs' "
         "`num_active_parameters_formula()`: all but the experts a token is not routed to). The MoE configs are "
         "sized for equal ACTIVE parameters: each token can use as many as in llama (within 0.6%: moe top-2 of 4 "
-        "experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; moepp, at the MoE++ paper's ratio, "
-        "top-2 of 8 FFN experts as wide as moe's + 1 zero, 1 copy and 2 constant experts), with more parameters in "
-        "all (the experts). For MoE++ that count "
-        "is an upper bound, two FFN experts per token: a token routed to a zero-computation expert runs one or "
-        "none, and at the load its balance loss aims for a token runs k_eff = 2 tau N_FFN / (tau N_FFN + N_ZC) "
-        "FFN experts on average (1.2 with 8 FFN + 4 zero-computation experts at tau 0.75, against moe's 2): less "
+        "experts half llama's MLP width; scmoe dense + (shared + top-1) pairs; MoE++ FFN and zero-computation "
+        "experts), with more parameters in all (the experts). For MoE++ that count "
+        "is an upper bound, k FFN experts per token: a token routed to a zero-computation expert runs fewer, "
+        "and at the load its balance loss aims for a token runs k_eff = k tau N_FFN / (tau N_FFN + N_ZC) "
+        f"FFN experts on average ({zero_computation_mix(pretrained)}): less "
         "compute per token on average, by design; eval.replicate compares it at equal expert compute too. "
         "**cloze log-lik/word**: the mean "
         "log-likelihood (nats, higher is better) of the held-out word in `shakespeare_cloze`, log P(word | "

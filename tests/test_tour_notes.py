@@ -1,12 +1,14 @@
 """The tour's quality section: MoE++ pretrained at the paper's expert ratio (issue 22), and the one-seed note
-quoting eval.replicate's measured spread (or, without that report, naming the command that measures it)."""
+quoting eval.replicate's measured spread (or, without that report, naming the command that measures it); the
+MoE++ expert mix the text quotes is read from the trained configs, not written by hand."""
 
 import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from eval.tour import seed_noise_line
+import models
+from eval.tour import seed_noise_line, zero_computation_mix
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -32,3 +34,17 @@ def test_seed_noise_line_quotes_the_replication(tmp_path):
     ]}))  # fmt: skip
     line = seed_noise_line(str(results))
     assert "3 seeds, 400 steps" in line and "0.021-0.034 nats" in line and "0.012-0.012 nats" in line
+
+
+def test_zero_computation_mix_is_read_from_the_saved_configs(tmp_path):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        paper = dict(compose("pretrain", ["model=moepp_paper"]).model.config)
+    pretrained = {}
+    for arch, name, fields in [("llama", "llama", {}), ("moepp", "moepp", paper)]:
+        models.ZOO[name].config_class(**{**models.ZOO[name].tiny_config, **fields}).save_pretrained(tmp_path / arch)
+        pretrained[arch] = {"hf_dir": str(tmp_path / arch)}
+    line = zero_computation_mix(pretrained)
+    # 8 FFN + 1 zero / 1 copy / 2 constant, top-2, tau 0.75: k_eff = 2 * 0.75 * 8 / (0.75 * 8 + 4) = 1.2
+    assert line.startswith("moepp: top-2 of 8 FFN experts") and "1 zero, 1 copy and 2 constant" in line
+    assert "33% of all" in line and "k_eff 1.20 at tau 0.75" in line and "llama" not in line
+    assert zero_computation_mix({"llama": pretrained["llama"]}) == "no MoE++ model in this tour"
