@@ -22,12 +22,11 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
-import models  # noqa: F401  (registers the zoo's configs with AutoConfig)
+import models  # registers the zoo's configs with AutoConfig
 from eval import report
 from eval.bench.decode_paths_report import decode_paths_section
 from eval.bench.settings import degrees_label, link_label, ranks
 from eval.bench.sp_report import sp_section
-from models.moepp import entry as moepp_entry
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
@@ -309,20 +308,15 @@ def conversion_lines(converted: dict[str, dict]) -> list[str]:
 
 
 def zero_computation_mix(pretrained: dict[str, dict]) -> str:
-    """Each trained MoE++ model's expert mix, read from its saved config (so the text follows `model_configs`):
-    top-k of N_FFN FFN experts + the zero / copy / constant experts, their share of all experts, and k_eff at
-    the load the balance loss aims for (models/moepp/entry.py)."""
+    """Each trained model's expert mix where its architecture states one (the registry's `expert_mix` hook:
+    MoE++'s FFN and zero-computation experts and k_eff at the balanced load), read from its saved config so
+    that the text follows `model_configs`."""
     parts = []
     for arch, result in pretrained.items():
         c = AutoConfig.from_pretrained(result["hf_dir"])
-        if not hasattr(c, "num_zc_experts"):
-            continue
-        share = c.num_zc_experts / c.num_total_experts
-        parts.append(
-            f"{arch}: top-{c.num_experts_per_tok} of {c.num_local_experts} FFN experts {c.intermediate_size} wide + "
-            f"{c.num_zero_experts} zero, {c.num_copy_experts} copy and {c.num_constant_experts} constant experts "
-            f"(zero-computation experts {share:.0%} of all), k_eff {moepp_entry.k_eff(c):.2f} at tau {c.tau:g}"
-        )
+        entry = models.registry.entry_for(c.model_type)
+        if entry is not None and entry.expert_mix is not None:
+            parts.append(f"{arch}: {entry.expert_mix(c)}")
     return "; ".join(parts) or "no MoE++ model in this tour"
 
 

@@ -10,7 +10,10 @@ architecture's own folder (`sharding.py`, `entry.py`), so that no shared code na
   (every zoo model's `check_layout(degrees)`, which `parallel.parallelize` asks, is this one);
 - `fit_degrees(degrees)`: config fields it needs to run at those degrees (Kraken: kraken_degree = tp);
 - `bench_config(shape, degrees, **overrides)`: how a bench shape (Llama field names) becomes its config;
-- `collectives_per_forward(config, degrees)`: the collectives one forward issues, per kind.
+- `collectives_per_forward(config, degrees)`: the collectives one forward issues, per kind;
+- `expert_mix(config)`: for an architecture whose tokens may run fewer routed experts than its top-k (MoE++'s
+  zero-computation experts), its experts in words with the FFN experts a token runs at the balanced load, as
+  reports quote it.
 
 `CONVERTERS` maps a converter name to how `train.convert` turns one kind of checkpoint into another.
 """
@@ -54,6 +57,7 @@ class ZooEntry:
     fit_degrees: Callable[[dict[str, int]], dict] = no_config_fields
     bench_config: Callable[..., PreTrainedConfig] | None = None
     collectives_per_forward: CollectivesHook | None = None
+    expert_mix: Callable[[PreTrainedConfig], str] | None = None
 
     @property
     def degrees(self) -> tuple[str, ...]:
@@ -82,7 +86,7 @@ ZOO: dict[str, ZooEntry] = {}
 
 
 # The hooks an architecture's entry.py may define (see the module docstring).
-ENTRY_HOOKS = ("fit_degrees", "bench_config", "collectives_per_forward")
+ENTRY_HOOKS = ("fit_degrees", "bench_config", "collectives_per_forward", "expert_mix")
 
 
 def folder_hooks(package: str) -> dict:
@@ -112,7 +116,7 @@ def register(
     **hooks,
 ) -> None:
     """Add `name` to `ZOO` and register its classes with the Auto classes. The hooks (sharding, fit_degrees,
-    bench_config, collectives_per_forward) come from the folder that defines `model_class`
+    bench_config, collectives_per_forward, expert_mix) come from the folder that defines `model_class`
     (`folder_hooks`); `hooks` given here override them (one folder may serve two entries)."""
     hooks = {**folder_hooks(model_class.__module__.rsplit(".", 1)[0]), **hooks}
     ZOO[name] = ZooEntry(name, config_class, model_class, base_model_class, dict(tiny_config or {}), **hooks)

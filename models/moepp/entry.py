@@ -22,6 +22,18 @@ def k_eff(config) -> float:
     return config.num_experts_per_tok * tau * ffn / (tau * ffn + config.num_zc_experts)
 
 
+def expert_mix(config) -> str:
+    """The experts in words, as reports quote them: top-k of the FFN experts + the zero / copy / constant
+    experts, their share of all experts, and `k_eff` at the balanced load."""
+    share = config.num_zc_experts / config.num_total_experts
+    return (
+        f"top-{config.num_experts_per_tok} of {config.num_local_experts} FFN experts {config.intermediate_size} "
+        f"wide + {config.num_zero_experts} zero, {config.num_copy_experts} copy and {config.num_constant_experts} "
+        f"constant experts (zero-computation experts {share:.0%} of all), k_eff {k_eff(config):.2f} at tau "
+        f"{config.tau:g}"
+    )
+
+
 def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collectives]:
     """One forward in eval mode (sharding.py), dropless:
 
