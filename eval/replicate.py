@@ -383,7 +383,7 @@ def replicate(cfg: DictConfig) -> dict:
         spec = specs[label]
         record = done_record(record_path(out_dir, label, seed), pretrain_overrides(cfg, spec, seed))
         if record is None and not cfg.train:  # report only: what is on disk, the rest named as missing
-            missing.append((label, seed))
+            missing.append({"arch": label, "seed": seed})
             continue
         if record is None:
             print(f"[replicate] {i}/{len(todo)}: training {label} seed {seed}", flush=True)
@@ -393,7 +393,7 @@ def replicate(cfg: DictConfig) -> dict:
             print(f"[replicate] {i}/{len(todo)}: {label} seed {seed} already done, val loss {record[LOSS]:.4f}", flush=True)
         records.setdefault(label, {})[seed] = record
     result = summarise(cfg, specs, records)
-    result["missing"] = [{"arch": label, "seed": seed} for label, seed in missing]
+    result["missing"] = missing
     if missing:
         print(f"[replicate] train=false: {len(missing)} of {len(todo)} runs not trained yet, left out", flush=True)
     elapsed = time.perf_counter() - started
