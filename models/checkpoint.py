@@ -83,20 +83,31 @@ def apply_special_tokens(
 
 
 def save_checkpoint(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path, blocks=None
 ) -> Path:
     """Save `model` (unsharded) and `tokenizer` to `directory` as a checkpoint that loads anywhere.
 
     The model's special token ids are set to the tokenizer's (in memory too, so that later `generate()`
     calls stop at the tokenizer's eos), then the weights, configs, tokenizer, the model's self-contained
     code with `auto_map`, and a README on how to load it are written. Returns the directory.
+
+    `blocks`: the weights as an iterable of state-dict parts (`parallel.checkpoint.stream_full_state`),
+    written one safetensors shard each as they arrive, so the whole model is never in memory at once;
+    `model` then only gives the config and the code (it may live on the meta device).
     """
     directory = Path(directory)
     # Build the code first: an architecture that cannot be exported fails before anything is written.
     code = build_remote_code(model)
     apply_special_tokens(model, tokenizer)
     started = time.time()
-    model.save_pretrained(directory)
+    if blocks is None:
+        model.save_pretrained(directory)
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(directory)
+        if model.can_generate():
+            model.generation_config.save_pretrained(directory)
+        write_weight_shards(model, blocks, directory)
     tokenizer.save_pretrained(directory)
     drop_loading_options(directory)
     write_remote_code(
@@ -104,6 +115,37 @@ def save_checkpoint(
     )
     share_files(directory, since=started)
     return directory
+
+
+def write_weight_shards(model: PreTrainedModel, blocks, directory: Path) -> None:
+    """One `model-0000i-of-0000n.safetensors` per block and the `model.safetensors.index.json` Hugging Face
+    loads sharded weights by. A weight tied to an earlier one (the head to the embedding) is left out, as
+    `save_pretrained` does; `from_pretrained` ties it again."""
+    from safetensors.torch import save_file
+
+    seen, tied = set(), set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            tied.add(name)
+        seen.add(id(tensor))
+    files, weight_map, total = [], {}, 0
+    for index, block in enumerate(blocks):
+        block = {name: t.contiguous() for name, t in block.items() if name not in tied}
+        if not block:
+            continue
+        path = directory / f"model-{index:05d}.safetensors"
+        save_file(block, path, metadata={"format": "pt"})
+        files.append(path)
+        total += sum(t.numel() * t.element_size() for t in block.values())
+        weight_map.update(dict.fromkeys(block, path.name))
+    # Renamed once their number is known: the names HF's own sharded checkpoints have.
+    renamed = {}
+    for i, path in enumerate(files, start=1):
+        final = path.with_name(f"model-{i:05d}-of-{len(files):05d}.safetensors")
+        path.rename(final)
+        renamed[path.name] = final.name
+    index = {"metadata": {"total_size": total}, "weight_map": {n: renamed[f] for n, f in sorted(weight_map.items())}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 def drop_loading_options(directory: str | Path) -> None:

@@ -14,6 +14,7 @@ each parameter's group and coordinates are recorded in its spec.
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallel.layout import ShardSpec, owned_entries, shard_specs
 from parallel.mesh import DIM_ORDER
@@ -211,25 +212,37 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict, rank=Non
 @torch.no_grad()
 def grad_norm(model: nn.Module, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients of a sharded model, the same on every rank as unsharded: the squares
-    of parameters sharded over some mesh dimensions are summed over those dimensions' groups; replicated
-    parameters (identical gradients on every rank) are counted once."""
+    of parameters sharded over some mesh dimensions are summed over those dimensions' groups, and over the
+    FSDP mesh for a gradient FSDP holds in shards (a DTensor); replicated parameters (identical gradients on
+    every rank) are counted once. (torch's `get_total_norm` reduces a DTensor over its FSDP mesh only, so tp
+    ranks would clip differently.)"""
     specs = shard_specs(model)
     buckets: dict[tuple[str, ...], list[torch.Tensor]] = {}
     groups = {}
     for name, p in model.named_parameters():
         param_specs = specs.get(name, ())
         groups.update({s.mesh_dim: s.group for s in param_specs})
+        dims = {s.mesh_dim for s in param_specs}
+        if isinstance(p, DTensor):  # FSDP's shard: its mesh is one flattened dimension, named alike on every rank
+            (fsdp_dim,) = p.device_mesh.mesh_dim_names
+            groups[fsdp_dim] = p.device_mesh.get_group()
+            dims.add(fsdp_dim)
         # Every rank has the same buckets (the layout is the same), so the all-reduces below match up.
-        bucket = buckets.setdefault(tuple(sorted({s.mesh_dim for s in param_specs})), [])
+        bucket = buckets.setdefault(tuple(sorted(dims)), [])
         if p.grad is not None:
-            bucket.append(p.grad.float().pow(2).sum())
-    total = torch.zeros((), device=next(model.parameters()).device)
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            bucket.append(grad.float().pow(2).sum())
+    total = torch.zeros((), device=_local(next(model.parameters())).device)
     for dims in sorted(buckets):
         squares = torch.stack(buckets[dims]).sum() if buckets[dims] else torch.zeros_like(total)
         for dim in dims:
             dist.all_reduce(squares, group=groups[dim])
         total = total + squares
     return total.sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -239,5 +252,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> torch.Tens
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(coef)
+            _local(p.grad).mul_(coef)
     return total

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 import parallel
 from parallel.grad_sync import sync_gradients, sync_plan
@@ -32,6 +33,7 @@ from parallel.layout import MeshDim, ShardSpec, keep_own_entry, record
 from tests.distributed import run_ranks
 from tests.test_train import TINY, compose_pretrain, subprocess_env
 from train.data import LMDataModule
+from train.export_checkpoint import load_unsharded
 from train.module import CausalLMModule
 from train.pretrain import build_trainer, check_config, train, trainer_devices
 from train.strategy import ZooParallelStrategy
@@ -105,8 +107,8 @@ class CountBatches(L.Callback):
 
 
 def test_sync_runs_once_per_optimizer_step_with_gradient_accumulation(tmp_path, monkeypatch):
-    """ZooParallelStrategy in this process (a 1-rank mesh): with accumulate_grad_batches=2 the gradients
-    are synchronised after the second micro-batch's backward only."""
+    """The replicated trainer (ZooParallelStrategy(fsdp=False)) in this process (a 1-rank mesh): with
+    accumulate_grad_batches=2 the gradients are synchronised after the second micro-batch's backward only."""
     synced = []
     monkeypatch.setattr("train.strategy.sync_gradients", lambda model, mesh: synced.append(model.global_step))
     cfg = compose_pretrain(TINY, tmp_path)
@@ -114,7 +116,7 @@ def test_sync_runs_once_per_optimizer_step_with_gradient_accumulation(tmp_path, 
     module = CausalLMModule("llama", dict(cfg.model.config), data.vocab_size, dict(cfg.optimizer))
     counter = CountBatches()
     trainer = L.Trainer(
-        strategy=ZooParallelStrategy(), accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2,
+        strategy=ZooParallelStrategy(fsdp=False), accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[counter],
     )
@@ -208,17 +210,41 @@ def test_dp2_tp2_loss_curve_matches_one_process(dp2_tp2_runs):
     one, dp2_tp2 = losses(dp2_tp2_runs / "one_process"), losses(dp2_tp2_runs / "dp2_tp2")
     assert len(one) == len(dp2_tp2) == STEPS
     torch.testing.assert_close(torch.tensor(dp2_tp2), torch.tensor(one), rtol=1e-5, atol=0)
-    # the checkpoint holds the unsharded model
-    ckpt = torch.load(dp2_tp2_runs / "dp2_tp2/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    # FSDP's checkpoint: a torch.distributed.checkpoint directory behind the link, one shard file per rank,
+    # holding the unsharded model's tensors (read back in one process, at tp 1)
+    last = dp2_tp2_runs / "dp2_tp2/checkpoints/last.ckpt"
+    assert last.is_symlink() and sorted(p.name for p in last.resolve().glob("*.distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(4)
+    ]
     reference = torch.load(dp2_tp2_runs / "one_process/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
-    assert {k: v.shape for k, v in ckpt["state_dict"].items()} == {k: v.shape for k, v in reference["state_dict"].items()}
+    model = load_unsharded(last)
+    assert {f"model.{k}": v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in reference["state_dict"].items()
+    }
+    # the streamed hf/ export holds the same weights as the checkpoint
+    exported = AutoModelForCausalLM.from_pretrained(dp2_tp2_runs / "dp2_tp2/hf")
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("degrees", ["tp2", "none"])
+# dp2_tp2: the same degrees; tp2: dp 1 x tp 2; dp4: dp 4 x tp 1; none: one process (tp 1), all from the
+# checkpoint FSDP wrote at dp 2 x tp 2.
+RESUME_AT = {
+    "dp2_tp2": ["parallel=dp2_tp2", "data.batch_size=4"],
+    "tp2": ["parallel=tp2", "data.batch_size=8"],
+    "dp4": ["parallel=dp2_tp2", "parallel.dp=4", "parallel.tp=1", "data.batch_size=2"],
+    "none": ["parallel=none", "data.batch_size=8"],
+}
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [pytest.param("dp2_tp2", marks=pytest.mark.slow), "tp2", pytest.param("dp4", marks=pytest.mark.slow), "none"],
+)
 def test_dp2_tp2_checkpoint_resumes_at_other_degrees(dp2_tp2_runs, degrees, tmp_path):
     step3 = dp2_tp2_runs / "dp2_tp2/checkpoints/step3.ckpt"
-    # the same global batch: 8 on one data rank
-    overrides = [f"parallel={degrees}", "data.batch_size=8", f"resume={step3}"]
+    # the same global batch of 8, over the data ranks
+    overrides = [*RESUME_AT[degrees], f"resume={step3}"]
     if degrees == "none":
         train(compose_pretrain([*RUN, *overrides], tmp_path / "resumed"))
     else:

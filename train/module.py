@@ -28,12 +28,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import models
 import parallel
 from models.checkpoint import nonfinite_counts
 from models.common.moe import TopKRouter, update_balance_biases
 from models.llama.configuration import check_fields
+from parallel.fsdp import apply_fsdp, is_fsdp
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
 from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
@@ -67,8 +69,13 @@ class Interrupted(TrainingError):
 def nonfinite_tensors(state: dict, limit: int = 5) -> list[str]:
     """The floating-point tensors of `state` holding NaN or infinite values, as `name (k NaN, j inf of n)`
     (the first `limit`, then how many more)."""
+    return describe_nonfinite(nonfinite_counts(state.items()), limit)
+
+
+def describe_nonfinite(counts, limit: int = 5) -> list[str]:
+    """`(name, NaN count, inf count, values)` tuples in words, as `nonfinite_tensors` gives them."""
     found = []
-    for name, nan, inf, numel in nonfinite_counts(state.items()):
+    for name, nan, inf, numel in counts:
         parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
         found.append(f"{name} ({', '.join(p for p in parts if p)} of {numel})")
     if len(found) > limit:
@@ -80,10 +87,11 @@ def parallel_degrees(parallel: dict | None) -> dict[str, int]:
     """The degrees of a `parallel` config (conf/parallel): {"dp": .., "ep": .., "sp": .., "tp": ..}, each
     a positive integer (1 when not given); one clear error for a value or a key that is not one."""
     parallel = dict(parallel or {})
-    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s"})
+    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s", *ENGINE_SETTINGS})
     if unknown:
         raise ValueError(
-            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)} and timeout_s."
+            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)}, timeout_s "
+            f"and {', '.join(ENGINE_SETTINGS)}."
         )
     degrees = {dim: parallel.get(dim, 1) for dim in DIM_ORDER}
     for dim, degree in degrees.items():
@@ -92,6 +100,27 @@ def parallel_degrees(parallel: dict | None) -> dict[str, int]:
                 f"parallel.{dim}={degree!r} must be a positive integer (the {PARALLEL_NAMES[dim]}-parallel degree)."
             )
     return degrees
+
+
+# The data-parallel engine's settings in conf/parallel, with their defaults (train.strategy reads them).
+ENGINE_SETTINGS = {"fsdp": True, "reshard_after_forward": True, "param_dtype": None}
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def engine_settings(parallel: dict | None) -> dict:
+    """`parallel.fsdp` (FSDP2 over the data ranks, sharded checkpoints; false: the replicated trainer),
+    `parallel.reshard_after_forward` and `parallel.param_dtype` (FSDP's mixed precision: parameters cast to
+    it for compute, gradients reduced in fp32; null: as the trainer's precision), checked."""
+    parallel = dict(parallel or {})
+    settings = {k: parallel.get(k, v) for k, v in ENGINE_SETTINGS.items()}
+    for key in ("fsdp", "reshard_after_forward"):
+        if not isinstance(settings[key], bool):
+            raise ValueError(f"parallel.{key}={settings[key]!r} must be true or false.")
+    if settings["param_dtype"] is not None and settings["param_dtype"] not in PARAM_DTYPES:
+        raise ValueError(
+            f"parallel.param_dtype={settings['param_dtype']!r} must be null or one of {', '.join(PARAM_DTYPES)}."
+        )
+    return settings
 
 
 def check_degrees(model_name: str, config, degrees: dict[str, int]) -> None:
@@ -206,6 +235,13 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
         parallel.parallelize(self.model, mesh)
         self._sp_group = parallel.mesh_group(mesh, "sp") if self.degrees["sp"] > 1 else None
+        strategy = self.trainer.strategy
+        if getattr(strategy, "fsdp", False):
+            # FSDP2 over the token dimensions, one unit per decoder layer (parallel/fsdp.py), after the
+            # layout: parameters, gradients and optimizer state sharded over the data ranks.
+            dtype = strategy.param_dtype
+            policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32) if dtype else None
+            apply_fsdp(self.model, mesh, self.model.model.layers, strategy.reshard_after_forward, policy)
         self._layout_applied = True
 
     @property
@@ -238,6 +274,8 @@ class CausalLMModule(L.LightningModule):
             # all-reduce that follows it) runs as on any step on every rank (Lightning refuses a None loss when
             # distributed); on_before_optimizer_step then drops the update.
             self._skip_update = True
+            if is_fsdp(self.model):  # FSDP's backward hooks (its reduce-scatters) run along the loss's graph
+                return loss * 0.0
             return sum(p.sum() for p in self.parameters()) * 0.0
         return loss
 

@@ -57,15 +57,19 @@ import models
 from models.checkpoint import save_checkpoint
 from parallel.layout import PARALLEL_NAMES
 from parallel.state import full_state_dict
+from train import sharded_checkpoint
 from train.callbacks import StallNotice, StopOnSigterm
 from train.cli import one_sentence, one_sentence_errors, same_on_every_rank
 from train.data import CORPUS, is_local_source
+from train.export_checkpoint import export_streamed
 from train.module import (
     NONFINITE_POLICIES,
     CausalLMModule,
     Interrupted,
     TrainingError,
     check_degrees,
+    describe_nonfinite,
+    engine_settings,
     nonfinite_tensors,
     parallel_degrees,
 )
@@ -102,23 +106,19 @@ def find_resume_checkpoint(resume: str | None, output_dir: Path) -> str | None:
         return None
     if str(resume) == "auto":
         last = output_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.is_file() else None
+        return str(last) if last.exists() else None
     path = Path(str(resume))
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(
-            f"resume={resume!r} is not a checkpoint file; use auto, never or a .ckpt path."
+            f"resume={resume!r} is not a checkpoint; use auto, never or a .ckpt path (a file, or a sharded "
+            "checkpoint's directory)."
         )
     return str(path)
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` cannot be loaded (a file cut short by a crash, another format), or None if it can."""
-    try:
-        # mmap: the tensors are not read, but the zip directory and the pickled structure are
-        torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as error:  # any failure to load means the same to the user
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no details'}"
-    return None
+    return sharded_checkpoint.problem(path)
 
 
 def readable_checkpoint(ckpt_path: str, fall_back: bool) -> str:
@@ -342,18 +342,36 @@ def trainer_devices(cfg: DictConfig):
     return math.prod(parallel_degrees(cfg.get("parallel")).values()) // cfg.trainer.get("num_nodes", 1)
 
 
-def build_trainer(cfg: DictConfig, callbacks: list | None = None, loggers: list | None = None) -> L.Trainer:
-    """The Trainer of `cfg.trainer`; with any parallel degree above 1, on `ZooParallelStrategy` over those
-    degrees, with `parallel.timeout_s` as the collectives' timeout."""
+# Trainer settings of ours in conf/trainer, which Lightning's Trainer does not take (CausalLMModule and the
+# throughput callback read them).
+ZOO_TRAINER_SETTINGS = ("activation_checkpointing", "compile", "peak_tflops")
+
+
+def lightning_trainer_config(trainer: DictConfig) -> DictConfig:
+    """`cfg.trainer` without the zoo's own settings (ZOO_TRAINER_SETTINGS)."""
+    config = OmegaConf.to_container(trainer, resolve=True)
+    for key in ZOO_TRAINER_SETTINGS:
+        config.pop(key, None)
+    return OmegaConf.create(config)
+
+
+def build_trainer(
+    cfg: DictConfig, callbacks: list | None = None, loggers: list | None = None, sharded_resume: bool = False
+) -> L.Trainer:
+    """The Trainer of `cfg.trainer`; with any parallel degree above 1 (or to resume a sharded checkpoint in
+    one process: `sharded_resume`), on `ZooParallelStrategy` over those degrees with the engine settings of
+    `cfg.parallel` and `parallel.timeout_s` as the collectives' timeout."""
     degrees = parallel_degrees(cfg.get("parallel"))
     settings = {"devices": trainer_devices(cfg)}
-    if math.prod(degrees.values()) > 1:
+    if math.prod(degrees.values()) > 1 or sharded_resume:
         timeout = (cfg.get("parallel") or {}).get("timeout_s")
         settings["strategy"] = ZooParallelStrategy(
-            **degrees, **({"timeout": timedelta(seconds=timeout)} if timeout is not None else {})
+            **degrees,
+            **engine_settings(cfg.get("parallel")),
+            **({"timeout": timedelta(seconds=timeout)} if timeout is not None else {}),
         )
     return hydra.utils.instantiate(
-        cfg.trainer,
+        lightning_trainer_config(cfg.trainer),
         callbacks=callbacks or [],
         # an empty list would make Lightning add its default TensorBoard logger
         logger=loggers or False,
@@ -366,9 +384,7 @@ def build_trainer(cfg: DictConfig, callbacks: list | None = None, loggers: list 
 def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
     """A checkpoint of another model (architecture, shape, vocabulary) fails here, in one sentence."""
     # mmap: only the small hyper-parameter dict is actually read from disk
-    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False).get(
-        "hyper_parameters", {}
-    )
+    saved = sharded_checkpoint.read_meta(ckpt_path).get("hyper_parameters", {})
     then = {"model.name": saved.get("model_name"), "vocab_size": saved.get("vocab_size")}
     now = {"model.name": module.hparams.model_name, "vocab_size": module.hparams.vocab_size}
     for field in {*saved.get("model_config", {}), *module.hparams.model_config}:
@@ -386,14 +402,19 @@ def check_checkpoint_fits(ckpt_path: str, module: CausalLMModule) -> None:
 def check_checkpoint_contents(ckpt_path: str, max_steps: int) -> int:
     """The checkpoint's step, if training can continue from it: not already past `max_steps`, and weights
     without NaN or infinite values (from which every loss is NaN, whatever the optimizer settings)."""
-    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    checkpoint = sharded_checkpoint.read_meta(ckpt_path)
     step = int(checkpoint.get("global_step", 0))
     if step > max_steps:
         raise TrainingError(
             f"Cannot resume: {ckpt_path} is at step {step}, already past trainer.max_steps={max_steps}; pass "
             f"trainer.max_steps>={step} to continue it, or another hydra.run.dir for a new run."
         )
-    bad = nonfinite_tensors(checkpoint.get("state_dict", {}))
+    # A sharded checkpoint counted its non-finite weights when it was saved (its tensors are not read here).
+    bad = (
+        describe_nonfinite(checkpoint.get("nonfinite", []))
+        if sharded_checkpoint.is_sharded(ckpt_path)
+        else nonfinite_tensors(checkpoint.get("state_dict", {}))
+    )
     if bad:
         raise TrainingError(
             f"Cannot train from {ckpt_path} (step {step}): its weights hold non-finite values ({'; '.join(bad)}); "
@@ -407,9 +428,9 @@ def describe_run(output_dir: Path) -> str | None:
     """What of an earlier run `output_dir` holds that a new run would overwrite, in words; None if nothing."""
     held = []
     last = output_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
+    if last.exists():
         try:
-            saved = torch.load(last, map_location="cpu", mmap=True, weights_only=False)
+            saved = sharded_checkpoint.read_meta(last)
             name = saved.get("hyper_parameters", {}).get("model_name", "?")
             held.append(f"checkpoints/last.ckpt of {name} at step {saved.get('global_step', '?')}")
         except Exception:  # unreadable: still something a new run would replace
@@ -436,13 +457,13 @@ def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
         return
     resume = str(cfg.get("resume", "auto"))
     last = output_dir / "checkpoints" / "last.ckpt"
-    if resume == "auto" and last.is_file():
+    if resume == "auto" and last.exists():
         return  # a continuation (check_checkpoint_fits refuses one of another model)
     if resume not in ("auto", "never") and Path(resume).resolve().parent == last.parent.resolve():
         return  # an earlier checkpoint of this very run
     if cfg.get("overwrite", False):
         if int(os.environ.get("RANK", "0")) == 0:
-            last.unlink(missing_ok=True)
+            sharded_checkpoint.remove(last)
             import shutil
 
             shutil.rmtree(output_dir / "hf", ignore_errors=True)
@@ -461,7 +482,7 @@ def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
 def checkpoint_on_disk(output_dir: Path) -> str:
     """What a rerun of this run directory would resume from, in words (for a run that ended with an error)."""
     last = output_dir / "checkpoints" / "last.ckpt"
-    if not last.is_file():
+    if not last.exists():
         return (
             f"No checkpoint was written yet ({last} does not exist): the same command with "
             f"hydra.run.dir={output_dir} starts over."
@@ -469,7 +490,7 @@ def checkpoint_on_disk(output_dir: Path) -> str:
     problem = checkpoint_problem(last)
     if problem is not None:
         return f"The last checkpoint, {last}, cannot be loaded ({problem})."
-    step = torch.load(last, map_location="cpu", mmap=True, weights_only=False).get("global_step", "?")
+    step = sharded_checkpoint.read_meta(last).get("global_step", "?")
     return f"The last checkpoint, {last} (step {step}), is intact: the same command with hydra.run.dir={output_dir} resumes from it."
 
 
@@ -669,7 +690,9 @@ def train(cfg: DictConfig) -> dict:
         StallNotice(timeout_s=(cfg.get("parallel") or {}).get("timeout_s")),
     ]
     loggers = instantiate_group(cfg.get("logger"))
-    trainer = build_trainer(cfg, callbacks, loggers)
+    trainer = build_trainer(
+        cfg, callbacks, loggers, sharded_resume=ckpt_path is not None and sharded_checkpoint.is_sharded(ckpt_path)
+    )
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
@@ -709,16 +732,22 @@ def train(cfg: DictConfig) -> dict:
         final_ckpt = str(Path(checkpoint.dirpath) / "last.ckpt")
         trainer.save_checkpoint(final_ckpt, weights_only=False)
 
-    # Sharded, each rank holds slices: gather the full weights (every rank takes part) into an
-    # unsharded model that rank 0 saves and samples from.
+    # Sharded, each rank holds slices. Under FSDP the export streams: every rank takes part in gathering one
+    # block of weights at a time, rank 0 writes it (train.export_checkpoint). The replicated trainer
+    # (parallel.fsdp=false) gathers the full weights into an unsharded model that rank 0 saves.
+    streamed = getattr(trainer.strategy, "fsdp", False) and isinstance(trainer.strategy, ZooParallelStrategy)
     final_model = module.model
-    if model_parallel:
+    hf_dir = output_dir / "hf"
+    if streamed:
+        with explain_lost_ranks(trainer, output_dir):
+            model_class = models.get(cfg.model.name).model_class
+            export_streamed(module.model, model_class, datamodule.tokenizer, hf_dir, trainer.is_global_zero)
+    elif model_parallel:
         with explain_lost_ranks(trainer, output_dir):
             state = full_state_dict(module.model)
         if trainer.is_global_zero:
             final_model = type(module.model)(module.model.config)
             final_model.load_state_dict(state)
-    hf_dir = output_dir / "hf"
     result = {
         "model": cfg.model.name,
         "num_parameters": module.num_parameters,
@@ -734,9 +763,14 @@ def train(cfg: DictConfig) -> dict:
         "samples": [],
     }
     if trainer.is_global_zero:
+        if streamed:
+            # Sampling needs the whole model on rank 0: read back from hf/ only when samples are asked for.
+            if cfg.sample.num_lines > 0:
+                final_model = models.get(cfg.model.name).model_class.from_pretrained(hf_dir)
+        else:
+            # Also sets the model's special tokens to the tokenizer's, so the samples below stop at its eos.
+            save_checkpoint(final_model, datamodule.tokenizer, hf_dir)
         module.model = final_model
-        # Also sets the model's special tokens to the tokenizer's, so the samples below stop at its eos.
-        save_checkpoint(module.model, datamodule.tokenizer, hf_dir)
         if cfg.sample.num_lines > 0:
             result["samples"] = generate_samples(module.model, datamodule.tokenizer, cfg.sample)
         log_summary(result, result["samples"])
