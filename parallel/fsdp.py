@@ -11,10 +11,11 @@ architecture's own layout: plain tensors, collectives waited in forward()), then
   sums every ep rank's tokens into the owner's gradient, so they must not be averaged over ep. FSDP
   divides them by dp x sp; the missing 1/ep is `scale_expert_gradients` (FSDP's own divide factor needs
   `ReduceOp.PREMUL_SUM`, which gloo lacks);
-- one FSDP unit per decoder layer, made of the layer's parameter-owning children rather than the layer:
-  Ladder and ScMoE call their layers' sub-blocks (`attention_block`, `mlp_block`, ...) directly, never the
-  layer's forward, so hooks on the layer itself would never run (a loud failure: "mixed torch.Tensor and
-  DTensor"); hooks on the children run whichever sub-block the architecture calls. The root unit holds the
+- one FSDP unit per decoder layer, made of the layer's parameter-owning modules rather than the layer:
+  Ladder and ScMoE call their layers' sub-blocks (`attention_block`, `mlp_block`, ...) directly, and Kraken
+  the blocks of its layers' streams, never the layer's forward, so hooks on the layer itself would never
+  run (a loud failure: "mixed torch.Tensor and DTensor"); hooks on the modules that hold the weights run
+  whichever way the architecture reaches them (`unit_modules`). The root unit holds the
   embedding, the final norm, the head and any parameter a layer owns directly.
 
 Traps this module avoids (each silently wrong, checked on torch 2.13 / gloo): a mesh that includes tp
@@ -27,10 +28,11 @@ FSDP; `parallel.checkpoint` makes both cuts visible to torch.distributed.checkpo
 """
 
 import math
+import warnings
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from parallel.layout import MESH_DIM_ALIASES, shard_specs
@@ -69,6 +71,18 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name.rpartition(".")[0])
 
 
+def unit_modules(layer: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """The modules of a decoder layer's FSDP unit: every module that owns parameters itself (the linears,
+    norms, routers) and is not an FSDP unit already (the experts). Whichever the architecture calls first
+    gathers the unit, the last one's end frees it: the layer's own forward may never run (Ladder, ScMoE call
+    its sub-blocks; Kraken calls the blocks inside its layer's ModuleDict of streams)."""
+    return [
+        m
+        for m in layer.modules()
+        if not isinstance(m, FSDPModule) and any(p not in ignored for p in m.parameters(recurse=False))
+    ]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -94,16 +108,24 @@ def apply_fsdp(
     if expert_mesh is not None:
         for owner in dict.fromkeys(_owner(model, name) for name in expert_params):
             fully_shard(owner, mesh=expert_mesh, **kwargs)
+            # Methods a module is run by besides forward (the padded dispatch's `forward_padded`) gather it too.
+            for method in getattr(owner, "fsdp_forward_methods", ()):
+                register_fsdp_forward_method(owner, method)
     else:
         ignored = set(expert_params.values())
     for layer in layers:
-        children = [c for c in layer.children() if any(p not in ignored for p in c.parameters())]
-        if children:
-            fully_shard(children, mesh=replicated_mesh, ignored_params=ignored or None, **kwargs)
+        owners = unit_modules(layer, ignored)
+        if owners:
+            fully_shard(owners, mesh=replicated_mesh, ignored_params=ignored or None, **kwargs)
     # The root's parameters stay gathered from forward to backward (FSDP's default for the root).
     fully_shard(model, mesh=replicated_mesh, ignored_params=ignored or None, **kwargs)
     model._zoo_fsdp = True
     return True
+
+
+# The experts return their output through an identity autograd Function (a view) that is only ever indexed
+# and sent on out of place (models/common/moe.py), so FSDP's warning about in-place ops on views is moot.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view tensor")
 
 
 def is_fsdp(model: nn.Module) -> bool:

@@ -397,6 +397,9 @@ def hf_load_balance_loss(layer_statistics: list[torch.Tensor], num_experts: int)
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, down(silu(gate(x)) * up(x)), weights stacked along dim 0 (module docstring)."""
 
+    # Run by these methods besides forward (the padded dispatch): FSDP gathers the weights for them too.
+    fsdp_forward_methods = ("forward_padded",)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str = "grouped_mm"):
         super().__init__()
         check_expert_widths(hidden_size, intermediate_size, impl)

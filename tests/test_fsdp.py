@@ -1,0 +1,131 @@
+"""FSDP2 as the data-parallel engine (parallel/fsdp.py) against the replicated trainer, for every architecture.
+
+On 4 gloo ranks, dp 2 x the architecture's own degree 2 (tp for the dense family, ep for the MoE family, sp
+for linear attention), two copies of the tiny model from the same seed train 3 AdamW steps on the same
+batches with gradient clipping: one replicated over the data ranks with `parallel.grad_sync` (what
+`parallel.fsdp=false` trains), one sharded by `apply_fsdp`. The losses agree (rtol 1e-5), and every
+parameter and optimizer state is held in pieces with no rank holding another's: summed over its FSDP mesh a
+parameter's local size is the replicated size, and a rank holds 1 / (dp x ep x sp) of the replicated
+parameters and Adam state (experts: 1 / (dp x sp)), measured.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+import parallel
+from parallel.fsdp import apply_fsdp, is_expert, scale_expert_gradients
+from parallel.grad_sync import sync_gradients
+from parallel.layout import shard_specs
+from parallel.state import clip_grad_norm_
+from tests.distributed import run_ranks
+from train.data import next_token_targets
+from train.metrics import IGNORE_INDEX
+
+STEPS, BATCH, SEQ = 3, 2, 16
+TP_SHAPES = dict(num_attention_heads=4, num_key_value_heads=4)
+
+
+def model_degree(name: str) -> str:
+    """The dimension an architecture is tested at besides dp: its expert, sequence or tensor layout."""
+    dims = models.get(name).degrees
+    return "ep" if "ep" in dims else "sp" if "sp" in dims else "tp"
+
+
+def build(name: str, degrees: dict[str, int]):
+    entry = models.get(name)
+    shapes = TP_SHAPES if degrees.get("tp", 1) > 1 else {}
+    torch.manual_seed(0)
+    return entry.model_class(entry.tiny_at(degrees, **shapes)).train()
+
+
+def loss_of(model, ids: torch.Tensor, sp_group, sp: int) -> torch.Tensor:
+    """Each rank's loss as train.module's training_step computes it (sp: its chunk, over the whole batch's
+    targets / sp, so that the mean over sp ranks is the sequences' loss)."""
+    if sp_group is None:
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    targets = next_token_targets(ids)
+    chunk = parallel.sequence.split_sequence(targets, sp_group)
+    count = (targets != IGNORE_INDEX).sum() / sp
+    inputs = parallel.sequence.split_sequence(ids, sp_group)
+    return model(input_ids=inputs, labels=chunk, shift_labels=chunk, num_items_in_batch=count, use_cache=False).loss
+
+
+def local_numel(t: torch.Tensor) -> int:
+    return (t._local_tensor if isinstance(t, DTensor) else t).numel()
+
+
+def _compare(rank: int, world_size: int, name: str, degrees: dict[str, int]) -> None:
+    mesh = parallel.init_mesh(**degrees)
+    sp_group = parallel.mesh_group(mesh, "sp") if degrees["sp"] > 1 else None
+    data_rank = mesh.get_local_rank("dp") * degrees["ep"] + mesh.get_local_rank("ep")
+    replicated, sharded = build(name, degrees), build(name, degrees)
+    for model in (replicated, sharded):
+        parallel.parallelize(model, mesh)
+    assert apply_fsdp(sharded, mesh, sharded.model.layers)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (replicated, sharded)]
+    vocab = replicated.config.vocab_size
+    world_group = dist.group.WORLD
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(100 * step + data_rank)
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+        losses = []
+        for model, optimizer in zip((replicated, sharded), optimizers, strict=True):
+            loss = loss_of(model, ids, sp_group, degrees["sp"])
+            loss.backward()
+            if model is replicated:
+                sync_gradients(model, mesh)
+            else:
+                scale_expert_gradients(model, degrees["ep"])
+            clip_grad_norm_(model, 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=world_group)
+            losses.append(mean / world_size)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0, msg=f"{name} step {step}")
+
+    # What each rank holds: every parameter (and its Adam moments) in pieces over its FSDP mesh, with nothing
+    # held twice, and the share that mesh's size says.
+    specs = shard_specs(sharded)
+    token = math.prod(degrees[d] for d in ("dp", "ep", "sp"))
+    expert_share = degrees["dp"] * degrees["sp"]
+    held = {"replicated": [0, 0], "sharded": [0, 0]}  # [parameters, Adam state] numel on this rank
+    for (pname, p), q in zip(sharded.named_parameters(), replicated.parameters(), strict=True):
+        state = optimizers[1].state[p]
+        moments = [state["exp_avg"], state["exp_avg_sq"]]
+        if isinstance(p, DTensor):
+            total = torch.tensor(local_numel(p))
+            dist.all_reduce(total, group=p.device_mesh.get_group())
+            assert int(total) == q.numel(), f"{name}: {pname} is held {int(total)} / {q.numel()} over its FSDP mesh"
+            assert all(isinstance(m, DTensor) and local_numel(m) == local_numel(p) for m in moments)
+        share = expert_share if is_expert(specs.get(pname, ())) else token
+        # FSDP cuts dim 0 in `share` chunks (torch.chunk's sizes); an uneven one is padded to the largest
+        largest = math.ceil(q.shape[0] / share) * (q.numel() // q.shape[0]) if q.dim() else q.numel()
+        held["replicated"][0] += largest
+        held["replicated"][1] += 2 * largest
+        held["sharded"][0] += local_numel(p)
+        held["sharded"][1] += sum(local_numel(m) for m in moments)
+    # At most the largest chunk of each: 1 / (dp x ep x sp) of the replicated parameters and Adam state
+    # (1 / (dp x sp) of the experts) where the dimensions divide.
+    assert all(s <= r for s, r in zip(held["sharded"], held["replicated"], strict=True)), f"{name}: {held}"
+
+
+ARCHS = sorted(models.ZOO)
+FAST = {"llama", "moe", "linear"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in ARCHS]
+)
+def test_fsdp_trains_as_the_replicated_trainer(name):
+    degrees = {"dp": 2, "ep": 1, "sp": 1, "tp": 1, model_degree(name): 2}
+    run_ranks(_compare, 4, name, degrees)
+
+
+def test_fsdp_at_dp2_alone():
+    run_ranks(_compare, 2, "llama", {"dp": 2, "ep": 1, "sp": 1, "tp": 1})
