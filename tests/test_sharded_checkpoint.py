@@ -1,0 +1,138 @@
+"""Sharded (torch.distributed.checkpoint) training checkpoints: atomic, refused when bad, exported offline,
+and an expert-parallel one resumed at another ep degree.
+
+- a run killed while its second sharded checkpoint is being written keeps the first behind `last.ckpt`
+  (loadable, its step), and the rerun resumes from it, finishes, and leaves no stray directory;
+- the run-directory rules work with a link: `overwrite=true` removes the link and its directory;
+- `python -m train.export_checkpoint` turns a sharded checkpoint into an hf/ folder equal to the run's own
+  streamed export, and refuses a non-empty output directory;
+- a checkpoint of moe saved at dp 2 x ep 2 resumes at ep 1 (one process) on the curve of the run that never
+  stopped (rtol 1e-5).
+"""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.test_train import TINY, compose_pretrain, subprocess_env
+from tests.test_train_safety import start_wrapped
+from train import sharded_checkpoint
+from train.pretrain import check_run_directory, train
+
+TP_TINY = [o.replace("num_key_value_heads=1", "num_key_value_heads=2") for o in TINY]
+RUN = [
+    *TP_TINY, "logger=csv", "trainer.val_check_interval=3", "callbacks.model_checkpoint.every_n_train_steps=3",
+    "callbacks.progress_bar=null",
+]
+
+def run_pretrain(run_dir: Path, *overrides: str, timeout: float = 300) -> str:
+    """The entry point run to completion with exactly `overrides`; its output."""
+    command = [sys.executable, "-m", "train.pretrain", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(command, cwd=run_dir.parent, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+# The second sharded save hangs after its shards are written, before its meta.pt and the link swap.
+STUCK_SECOND_SAVE = """
+import time
+import train.sharded_checkpoint as sc
+
+_write_meta, _saves = sc.write_meta, []
+
+
+def stuck_write_meta(directory, meta):
+    _saves.append(directory)
+    if len(_saves) >= 2:
+        (directory / "stuck").touch()
+        time.sleep(600)  # the test kills the run here
+    _write_meta(directory, meta)
+
+
+sc.write_meta = stuck_write_meta
+"""
+
+
+def test_kill_during_a_sharded_save_keeps_the_previous_one(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*RUN, "parallel=tp2", "trainer.max_steps=9"]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    proc, _ = start_wrapped(tmp_path, STUCK_SECOND_SAVE, run_dir, *overrides)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((run_dir / "checkpoints").glob("last.ckpt.d*/stuck")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no stuck second save"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    # killed with the step-6 shards written but not linked: last.ckpt is still the complete step-3 checkpoint
+    assert last.is_symlink() and sharded_checkpoint.problem(last) is None
+    assert sharded_checkpoint.read_meta(last)["global_step"] == 3
+    stray = [p for p in last.parent.glob("last.ckpt.d*") if p != last.resolve()]
+    assert len(stray) == 1 and sharded_checkpoint.problem(stray[0]) is not None
+
+    output = run_pretrain(run_dir, *overrides)
+    assert f"Resuming from {last}" in output
+    assert sharded_checkpoint.read_meta(last)["global_step"] == 9
+    assert sorted(p.name for p in last.parent.glob("last.ckpt.d*")) == [last.resolve().name]  # stray removed
+
+    # overwrite=true with resume=never removes the link and its directory
+    cfg = compose_pretrain([*overrides, "resume=never", "overwrite=true"], run_dir)
+    check_run_directory(cfg, run_dir)
+    assert not last.exists() and not list(last.parent.glob("last.ckpt.d*"))
+
+
+def test_export_checkpoint_offline_equals_the_streamed_export(tmp_path):
+    run_dir = tmp_path / "run"
+    run_pretrain(run_dir, *RUN, "parallel=tp2", "trainer.max_steps=3")
+    out = tmp_path / "exported"
+    command = [sys.executable, "-m", "train.export_checkpoint", str(run_dir / "checkpoints/last.ckpt"), str(out)]
+    proc = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    offline = AutoModelForCausalLM.from_pretrained(out)
+    streamed = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert offline.state_dict().keys() == streamed.state_dict().keys()
+    for name, tensor in streamed.state_dict().items():
+        torch.testing.assert_close(offline.state_dict()[name], tensor, rtol=0, atol=0)
+    # nothing is overwritten
+    again = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 1 and "is not empty" in again.stderr
+
+
+def losses(run_dir: Path) -> list[float]:
+    (path,) = run_dir.glob("csv/*/metrics.csv")
+    return [float(r["train/loss"]) for r in csv.DictReader(path.open()) if r.get("train/loss")]
+
+
+MOE = [
+    "model=moe", "model.config.num_hidden_layers=2", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+    "model.config.num_attention_heads=2", "model.config.num_key_value_heads=2", "model.config.num_local_experts=4",
+    "data.seq_len=32", "trainer.limit_val_batches=2", "optimizer.warmup_steps=2", "logger=csv",
+    "trainer.val_check_interval=3", "callbacks.model_checkpoint.every_n_train_steps=3", "callbacks.progress_bar=null",
+    "callbacks.model_checkpoint.save_top_k=-1", "+callbacks.model_checkpoint.filename='step{step}'",
+    "+callbacks.model_checkpoint.auto_insert_metric_name=false", "trainer.max_steps=6",
+]
+
+
+@pytest.mark.slow
+def test_dp2_ep2_checkpoint_resumes_at_ep1(tmp_path):
+    run_dir = tmp_path / "dp2_ep2"
+    run_pretrain(run_dir, *MOE, "parallel=ep2", "parallel.dp=2", "data.batch_size=2", timeout=400)
+    step3 = run_dir / "checkpoints" / "step3.ckpt"
+    assert step3.is_symlink()
+    # the same global batch of 8 on one process
+    train(compose_pretrain([*MOE, "parallel=none", "data.batch_size=8", f"resume={step3}"], tmp_path / "ep1"))
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "ep1")), torch.tensor(losses(run_dir)[3:]), rtol=1e-5, atol=0
+    )
