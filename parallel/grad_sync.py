@@ -17,12 +17,11 @@ Either way it is scaled by 1/D. So: gradient <- (sum over the token dimensions i
 the sharded dimensions coming from the ShardSpecs `parallel.parallelize` recorded (`sync_plan`). A
 replicated parameter is thereby averaged over dp x ep x sp, an expert over dp x sp (and divided by ep).
 
-Why not torch's DDP or FSDP2: DDP wraps the module and reduces every parameter over one process group,
-FSDP2 wants DTensor parameters; the zoo's parameters are plain tensors whose groups differ per parameter.
-The mechanism is DDP's without the hooks: gradients with the same dimensions to sum are flattened into
-buckets of about `bucket_mb` MB, scaled and all-reduced (SUM) over each dimension's group in turn. It runs
-once per optimizer step, after the backward of its last micro-batch (`train.strategy.ZooParallelStrategy`
-calls it), so it does not overlap the backward as DDP's hooks do.
+Where it serves: the replicated trainer only (`parallel.fsdp=false`), kept to compare FSDP2 against (the
+default engine, parallel/fsdp.py: sharded state, reduce-scatters during the backward). Gradients with the
+same dimensions to sum are flattened into buckets of about `bucket_mb` MB, scaled and all-reduced (SUM)
+over each dimension's group in turn, once per optimizer step after the backward of its last micro-batch
+(`train.strategy.ZooParallelStrategy` calls it), so nothing overlaps the backward.
 """
 
 import math

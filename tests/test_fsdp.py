@@ -129,3 +129,43 @@ def test_fsdp_trains_as_the_replicated_trainer(name):
 
 def test_fsdp_at_dp2_alone():
     run_ranks(_compare, 2, "llama", {"dp": 2, "ep": 1, "sp": 1, "tp": 1})
+
+
+def _reduce_scatter_order(rank: int, world_size: int, events_out) -> None:
+    mesh = parallel.init_mesh(dp=2)
+    model = build("llama", {"dp": 2})
+    parallel.parallelize(model, mesh)
+    apply_fsdp(model, mesh, model.model.layers)
+    events = []
+    reduce_scatter = dist.reduce_scatter_single
+
+    def recorded(*args, **kwargs):
+        events.append("reduce-scatter")
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = recorded
+    # The gradient reaches the embedding's output once every decoder layer's backward has run.
+    def on_embedding(module, args, out):
+        out.register_hook(lambda grad: events.append("layers' backward done"))
+
+    model.model.embed_tokens.register_forward_hook(on_embedding)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    dist.reduce_scatter_single = reduce_scatter
+    if rank == 0:
+        events_out.extend(events)
+
+
+def test_reduce_scatters_run_during_the_backward():
+    """FSDP's reduce-scatter of each layer is issued as that layer's backward ends, before the backward has
+    reached the embedding (the replicated trainer reduces everything after the whole backward)."""
+    import multiprocessing
+
+    with multiprocessing.Manager() as manager:
+        events = manager.list()
+        run_ranks(_reduce_scatter_order, 2, events)
+        events = list(events)
+    layers = len(build("llama", {"dp": 2}).model.layers)
+    done = events.index("layers' backward done")
+    assert events[:done] == ["reduce-scatter"] * layers, events
+    assert events[done:] == ["layers' backward done", "reduce-scatter"], events  # the root's, last
