@@ -169,3 +169,27 @@ def test_reduce_scatters_run_during_the_backward():
     done = events.index("layers' backward done")
     assert events[:done] == ["reduce-scatter"] * layers, events
     assert events[done:] == ["layers' backward done", "reduce-scatter"], events  # the root's, last
+
+
+def test_what_a_rank_holds_at_8b_dp8_tp8_as_the_readme_says():
+    """Llama-3.1-8B's shapes laddered, dp 8 x tp 8 on the fake process group (meta tensors): the parameters one
+    rank holds after the layout and FSDP, as README's "Training at scale" quotes them."""
+    from pathlib import Path
+
+    config = models.build_config(
+        "ladder", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, ladder_layers=16,
+    )
+    mesh = parallel.init_mesh(dp=8, tp=8, fake=True)
+    try:
+        with torch.device("meta"):
+            model = models.get("ladder").model_class(config)
+        total = sum(p.numel() for p in model.parameters())
+        parallel.parallelize(model, mesh)
+        apply_fsdp(model, mesh, model.model.layers)
+        held = sum(local_numel(p) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"{total / 1e9:.2f} B parameters" in readme and f"= {held / 1e9:.2f} B parameters" in readme
+    assert f"{held * 16 / 1e9:.1f} GB of state per GPU" in readme  # fp32 weights + gradients + 2 Adam moments

@@ -196,6 +196,7 @@ def check_config(cfg: DictConfig) -> None:
     # Lightning starts trainer.devices processes on each of trainer.num_nodes nodes. The parallel degrees
     # say how many there must be; a mismatch would fail only once every process is up.
     degrees = parallel_degrees(cfg.get("parallel"))
+    engine_settings(cfg.get("parallel"))
     world = math.prod(degrees.values())
     layout = " x ".join(f"parallel.{d}={n}" for d, n in degrees.items() if n > 1) or "parallel=none"
     strategy = cfg.trainer.get("strategy")
@@ -297,6 +298,17 @@ def check_training_length(cfg: DictConfig) -> None:
             f"trainer.val_check_interval={interval!r} must be an integer >= 1 (training batches between validations) "
             "or a fraction of an epoch in (0, 1]."
         )
+    recompute = trainer.get("activation_checkpointing", "none")
+    if recompute not in ("none", "full", "selective"):
+        raise ValueError(
+            f"trainer.activation_checkpointing={recompute!r} must be none, full (each decoder layer recomputed) or "
+            "selective (matmul outputs saved, the rest recomputed)."
+        )
+    if not isinstance(trainer.get("compile", False), bool):
+        raise ValueError(f"trainer.compile={trainer.compile!r} must be true or false.")
+    peak = trainer.get("peak_tflops")
+    if peak is not None and (not _is_number(peak) or peak <= 0):
+        raise ValueError(f"trainer.peak_tflops={peak!r} must be a positive number (TFLOP/s per device) or null.")
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (not _is_number(clip) or clip < 0):
         raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping).")
