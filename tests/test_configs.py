@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import models
-from train.pretrain import find_resume_checkpoint, instantiate_group, resolve_precision
+from train.pretrain import find_resume_checkpoint, instantiate_group, lightning_trainer_config, resolve_precision
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # The groups of pretrain's defaults list (conf/ also holds other entry points' groups).
@@ -50,7 +50,7 @@ def check_pretrain_config(cfg: DictConfig) -> None:
     assert cfg.optimizer.lr > 0 and len(cfg.optimizer.betas) == 2
     assert cfg.resume in ("auto", "never") or Path(cfg.resume).suffix == ".ckpt"
     precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
-    trainer = instantiate(cfg.trainer, precision=precision, logger=False, _convert_="all")
+    trainer = instantiate(lightning_trainer_config(cfg.trainer), precision=precision, logger=False, _convert_="all")
     if not cfg.trainer.get("fast_dev_run"):
         assert trainer.max_steps == cfg.trainer.max_steps
     for callback in instantiate_group(cfg.get("callbacks")):
@@ -137,5 +137,11 @@ def test_resume_checkpoint_choice(tmp_path):
     assert find_resume_checkpoint("auto", tmp_path) == str(last)
     assert find_resume_checkpoint("never", tmp_path) is None
     assert find_resume_checkpoint(str(last), tmp_path / "elsewhere") == str(last)
-    with pytest.raises(FileNotFoundError, match="not a checkpoint file"):
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint; use auto, never or a .ckpt path"):
         find_resume_checkpoint(str(tmp_path / "missing.ckpt"), tmp_path)
+    # a sharded checkpoint: a link to a directory
+    shards = tmp_path / "checkpoints" / "step3.ckpt.d1"
+    shards.mkdir()
+    last.unlink()
+    last.symlink_to(shards.name)
+    assert find_resume_checkpoint("auto", tmp_path) == str(last)

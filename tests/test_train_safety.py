@@ -37,7 +37,8 @@ from tests.test_train import REPO, TINY, compose_pretrain, run_pretrain, subproc
 from train.callbacks import AtomicCheckpointIO
 from train.data import load_tokenizer
 from train.module import NonFiniteLossError, TrainingError, warmup_cosine
-from train.pretrain import build_trainer, checkpoint_problem, name_multirun_job, readable_checkpoint, train
+from train.pretrain import build_trainer, name_multirun_job, train
+from train.run_directory import checkpoint_problem, readable_checkpoint
 from train.strategy import ZooParallelStrategy
 
 TP_TINY = [o.replace("num_key_value_heads=1", "num_key_value_heads=2") for o in TINY]
@@ -218,7 +219,8 @@ def poison_loss(monkeypatch, at_call: int, factor: float = math.nan) -> None:
 
     def poisoned(self, *args, labels=None, **kwargs):
         output = forward(self, *args, labels=labels, **kwargs)
-        if labels is not None and self.training:
+        # (not the FLOP count of train.throughput, one forward on the meta device before training)
+        if labels is not None and self.training and self.device.type != "meta":
             calls["n"] += 1
             if calls["n"] == at_call:
                 output.loss = output.loss * factor
