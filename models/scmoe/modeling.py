@@ -71,6 +71,8 @@ class ScMoeBlock(PreNormAttention, nn.Module):
     come in another order (`mlp` last), which fixes its state-dict and parameter order (optimizer state in
     saved training checkpoints is kept by parameter position) and what a seed initialises."""
 
+    checkpoint_methods = ("dispatch_shortcut", "mlp.experts.forward")  # called by the trunk: AC units too
+
     def __init__(self, config: ZooScMoeConfig, layer_idx: int):
         super().__init__()
         d = config.hidden_size
