@@ -136,3 +136,43 @@ def test_dp2_ep2_checkpoint_resumes_at_ep1(tmp_path):
     torch.testing.assert_close(
         torch.tensor(losses(tmp_path / "ep1")), torch.tensor(losses(run_dir)[3:]), rtol=1e-5, atol=0
     )
+
+
+LINEAR = [
+    "model=linear_hybrid", "model.config.num_hidden_layers=4", "model.config.hidden_size=64",
+    "model.config.intermediate_size=128", "model.config.num_attention_heads=2", "model.config.num_key_value_heads=2",
+    *[o for o in MOE if not o.startswith(("model", "trainer.max_steps"))], "trainer.max_steps=6",
+]
+
+
+@pytest.mark.slow
+def test_dp2_sp2_checkpoint_resumes_at_sp1(tmp_path):
+    """Sequence parallelism (LASP-2 and LASP-2H, FSDP over dp x sp): saved at dp 2 x sp 2, resumed on one
+    process on the same curve."""
+    run_dir = tmp_path / "dp2_sp2"
+    run_pretrain(run_dir, *LINEAR, "parallel=sp2", "parallel.dp=2", "data.batch_size=4", timeout=400)
+    step3 = run_dir / "checkpoints" / "step3.ckpt"
+    train(compose_pretrain([*LINEAR, "parallel=none", "data.batch_size=8", f"resume={step3}"], tmp_path / "sp1"))
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "sp1")), torch.tensor(losses(run_dir)[3:]), rtol=1e-5, atol=0
+    )
+
+
+def test_a_sharded_checkpoint_with_nonfinite_weights_is_refused_without_reading_them(tmp_path):
+    from train.module import TrainingError
+    from train.run_directory import check_checkpoint_contents
+
+    directory = tmp_path / "last.ckpt.d1"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"")  # the shards are never read: only meta.pt
+    meta = {"global_step": 4, "hyper_parameters": {}, "nonfinite": [("model.lm_head.weight", 3, 0, 4096)]}
+    sharded_checkpoint.write_meta(directory, meta)
+    link = tmp_path / "last.ckpt"
+    sharded_checkpoint.swap_in(link, directory)
+    with pytest.raises(TrainingError, match=r"model.lm_head.weight \(3 NaN of 4096\)"):
+        check_checkpoint_contents(str(link), max_steps=10)
+    with pytest.raises(TrainingError, match="already past trainer.max_steps=3"):
+        check_checkpoint_contents(str(link), max_steps=3)
+    meta["nonfinite"] = []
+    sharded_checkpoint.write_meta(directory, meta)
+    assert check_checkpoint_contents(str(link), max_steps=10) == 4
