@@ -88,10 +88,13 @@ log = logging.getLogger(__name__)
 _PARENT_PID = os.getppid()
 
 
-def resolve_precision(precision: str | int, accelerator) -> str | int:
-    """`auto` -> bf16 mixed precision on a CUDA device that has bf16, full fp32 everywhere else."""
+def resolve_precision(precision: str | int, accelerator, param_dtype: str | None = None) -> str | int:
+    """`auto` -> bf16 mixed precision on a CUDA device that has bf16, full fp32 everywhere else; fp32 where
+    FSDP's own mixed precision casts the parameters (`parallel.param_dtype`: no autocast on top of it)."""
     if str(precision) != "auto":
         return precision
+    if param_dtype is not None:
+        return "32-true"
     may_use_cuda = str(accelerator) in ("auto", "gpu", "cuda")
     if may_use_cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16-mixed"
@@ -329,12 +332,13 @@ def build_trainer(
     one process: `sharded_resume`), on `ZooParallelStrategy` over those degrees with the engine settings of
     `cfg.parallel` and `parallel.timeout_s` as the collectives' timeout."""
     degrees = parallel_degrees(cfg.get("parallel"))
+    engine = engine_settings(cfg.get("parallel"))
     settings = {"devices": trainer_devices(cfg)}
     if math.prod(degrees.values()) > 1 or sharded_resume:
         timeout = (cfg.get("parallel") or {}).get("timeout_s")
         settings["strategy"] = ZooParallelStrategy(
             **degrees,
-            **engine_settings(cfg.get("parallel")),
+            **engine,
             **({"timeout": timedelta(seconds=timeout)} if timeout is not None else {}),
         )
     return hydra.utils.instantiate(
@@ -342,7 +346,7 @@ def build_trainer(
         callbacks=callbacks or [],
         # an empty list would make Lightning add its default TensorBoard logger
         logger=loggers or False,
-        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator, engine.get("param_dtype")),
         **settings,
         _convert_="all",
     )
