@@ -148,6 +148,21 @@ def write_weight_shards(model: PreTrainedModel, blocks, directory: Path) -> None
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint folder as one state dict: its `model.safetensors`, or every shard its
+    `model.safetensors.index.json` lists (what `write_weight_shards` writes)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(directory / "model.safetensors")
+    weights = {}
+    for name in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())):
+        weights.update(load_file(directory / name))
+    return weights
+
+
 def drop_loading_options(directory: str | Path) -> None:
     """Remove `LOADING_OPTIONS` (e.g. `local_files_only: true`) from the folder's tokenizer_config.json."""
     path = Path(directory) / "tokenizer_config.json"

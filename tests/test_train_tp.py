@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.checkpoint import read_weights
 from tests.test_train import TINY, compose_pretrain
 from train.export_checkpoint import load_unsharded
 from train.pretrain import train
@@ -58,10 +59,7 @@ def test_tp2_checkpoint_and_hf_model_are_unsharded(tp_runs):
     for name, full in ckpt1["state_dict"].items():
         assert unsharded[name.removeprefix("model.")].shape == full.shape, name
     # tp 1 writes one model.safetensors, tp 2 streams one file per block: the same weights
-    w1 = load_file(tp1 / "hf/model.safetensors")
-    w2 = {}
-    for path in sorted((tp2 / "hf").glob("model-*.safetensors")):
-        w2.update(load_file(path))
+    w1, w2 = load_file(tp1 / "hf/model.safetensors"), read_weights(tp2 / "hf")
     assert w1.keys() == w2.keys()
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4, msg=name)
