@@ -11,11 +11,13 @@ architecture's own layout: plain tensors, collectives waited in forward()), then
   sums every ep rank's tokens into the owner's gradient, so they must not be averaged over ep. FSDP
   divides them by dp x sp; the missing 1/ep is `scale_expert_gradients` (FSDP's own divide factor needs
   `ReduceOp.PREMUL_SUM`, which gloo lacks);
-- one FSDP unit per decoder layer, made of the layer's parameter-owning modules rather than the layer:
-  Ladder and ScMoE call their layers' sub-blocks (`attention_block`, `mlp_block`, ...) directly, and Kraken
-  the blocks of its layers' streams, never the layer's forward, so hooks on the layer itself would never
-  run (a loud failure: "mixed torch.Tensor and DTensor"); hooks on the modules that hold the weights run
-  whichever way the architecture reaches them (`unit_modules`). The root unit holds the
+- one FSDP unit per decoder layer: the layer itself where the architecture calls it as a module (its
+  `runs_layers_whole`: the gather and the free wrap the layer's forward, outside a compiled forward, as
+  torchtitan's); otherwise the layer's parameter-owning modules as one unit: Ladder and ScMoE call their
+  layers' sub-blocks (`attention_block`, `mlp_block`, ...) directly, and Kraken the blocks of its layers'
+  streams, never the layer's forward, so hooks on the layer itself would never run (a loud failure: "mixed
+  torch.Tensor and DTensor"); hooks on the modules that hold the weights run whichever way the architecture
+  reaches them (`unit_modules`; a compiled layer then breaks its graph at them). The root unit holds the
   embedding, the final norm, the head and any parameter a layer owns directly.
 
 Traps this module avoids (each silently wrong, checked on torch 2.13 / gloo): a mesh that includes tp
@@ -86,13 +88,14 @@ def unit_modules(layer: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module
 def apply_fsdp(
     model: nn.Module,
     mesh,
-    layers: nn.ModuleList,
+    decoder: nn.Module,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> bool:
     """Shard `model` (already `parallelize`d over `mesh`) with FSDP2 over its token dimensions: the experts'
-    modules over dp x sp, one unit per decoder layer of `layers` (its parameter-owning children), the rest
-    at the root. Returns False (nothing done) when dp x ep x sp is 1."""
+    modules over dp x sp, one unit per decoder layer of `decoder.layers`, the rest at the root. Where the
+    decoder calls each layer as a module (its `runs_layers_whole`) the unit is the layer, otherwise the
+    layer's parameter-owning modules (`unit_modules`). Returns False (nothing done) when dp x ep x sp is 1."""
     replicated_mesh = fsdp_mesh(mesh)
     if replicated_mesh is None:
         return False
@@ -113,7 +116,11 @@ def apply_fsdp(
                 register_fsdp_forward_method(owner, method)
     else:
         ignored = set(expert_params.values())
-    for layer in layers:
+    whole_layers = getattr(decoder, "runs_layers_whole", True)
+    for layer in decoder.layers:
+        if whole_layers:  # the hooks around the layer's forward: a compiled forward keeps them outside
+            fully_shard(layer, mesh=replicated_mesh, ignored_params=ignored or None, **kwargs)
+            continue
         owners = unit_modules(layer, ignored)
         if owners:
             fully_shard(owners, mesh=replicated_mesh, ignored_params=ignored or None, **kwargs)

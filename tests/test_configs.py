@@ -15,7 +15,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import models
-from train.pretrain import find_resume_checkpoint, instantiate_group, lightning_trainer_config, resolve_precision
+from train.pretrain import (
+    find_resume_checkpoint,
+    instantiate_group,
+    lightning_trainer_config,
+    resolve_precision,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # The groups of pretrain's defaults list (conf/ also holds other entry points' groups).

@@ -41,6 +41,7 @@ from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
+from train.activation_checkpointing import apply_activation_checkpointing, compile_layers
 from train.cli import ExplainedError
 from train.data import next_token_targets
 from train.metrics import IGNORE_INDEX, summed_token_loss
@@ -155,6 +156,8 @@ class CausalLMModule(L.LightningModule):
         nonfinite_loss: `stop` (raise `NonFiniteLossError` before the step's update) or `skip` (leave
             the weights and optimizer state as they are for that step) when the loss or the gradient
             norm is NaN or infinite.
+        activation_checkpointing: `none`, `full` or `selective` (train/activation_checkpointing.py), applied
+            in `configure_model` after the layout; `compile`: each decoder layer compiled in place.
     """
 
     def __init__(
@@ -166,6 +169,8 @@ class CausalLMModule(L.LightningModule):
         parallel: dict | None = None,
         init_from: str | None = None,
         nonfinite_loss: str = "stop",
+        activation_checkpointing: str = "none",
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.degrees = parallel_degrees(parallel)
@@ -224,24 +229,28 @@ class CausalLMModule(L.LightningModule):
         if self._layout_applied:
             return
         mesh = self.device_mesh  # ZooParallelStrategy's; None under any other strategy
-        if mesh is None:
-            if any(self.degrees[d] > 1 for d in DIM_ORDER):
-                raise ValueError(
-                    f"parallel degrees {self.degrees} need train.strategy.ZooParallelStrategy (train.pretrain "
-                    f"sets it), not {type(self.trainer.strategy).__name__}."
-                )
-            return
-        if mesh_degrees(mesh) != self.degrees:
-            raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
-        parallel.parallelize(self.model, mesh)
-        self._sp_group = parallel.mesh_group(mesh, "sp") if self.degrees["sp"] > 1 else None
+        if mesh is None and any(self.degrees[d] > 1 for d in DIM_ORDER):
+            raise ValueError(
+                f"parallel degrees {self.degrees} need train.strategy.ZooParallelStrategy (train.pretrain "
+                f"sets it), not {type(self.trainer.strategy).__name__}."
+            )
+        if mesh is not None:
+            if mesh_degrees(mesh) != self.degrees:
+                raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
+            parallel.parallelize(self.model, mesh)
+            self._sp_group = parallel.mesh_group(mesh, "sp") if self.degrees["sp"] > 1 else None
+        # torchtitan's order: the layout, activation checkpointing, compile, FSDP (in place, no wrapper modules:
+        # parameter names and ShardSpecs stay as they are; train/activation_checkpointing.py).
+        apply_activation_checkpointing(self.model, self.hparams.activation_checkpointing)
+        if self.hparams.compile:
+            compile_layers(self.model)
         strategy = self.trainer.strategy
-        if getattr(strategy, "fsdp", False):
+        if mesh is not None and getattr(strategy, "fsdp", False):
             # FSDP2 over the token dimensions, one unit per decoder layer (parallel/fsdp.py), after the
             # layout: parameters, gradients and optimizer state sharded over the data ranks.
             dtype = strategy.param_dtype
             policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32) if dtype else None
-            apply_fsdp(self.model, mesh, self.model.model.layers, strategy.reshard_after_forward, policy)
+            apply_fsdp(self.model, mesh, self.model.model, strategy.reshard_after_forward, policy)
         self._layout_applied = True
 
     @property

@@ -518,6 +518,8 @@ def train(cfg: DictConfig) -> dict:
         parallel=OmegaConf.to_container(cfg.parallel, resolve=True) if cfg.get("parallel") else None,
         init_from=cfg.model.get("init_from"),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
+        activation_checkpointing=cfg.trainer.get("activation_checkpointing", "none"),
+        compile=cfg.trainer.get("compile", False),
     )
     # The checkpoint to continue from, checked before any process starts: the same model, not past
     # max_steps, finite weights.

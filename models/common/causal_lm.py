@@ -248,6 +248,10 @@ class ZooDecoderModel(ZooPreTrainedModel):
         self.rotary_emb = self.make_rotary(config)  # None: no RoPE anywhere in the model
         self.post_init()
 
+    # Whether `run_layers` calls each layer as a module (`layer(...)`), so that hooks on the layer (an FSDP
+    # unit, a compiled forward) see all of its work. False where it calls the layers' sub-blocks itself.
+    runs_layers_whole = True
+
     def make_layer(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 

@@ -76,6 +76,8 @@ class ZooKrakenPreTrainedModel(ZooPreTrainedModel):
 
 
 class ZooKrakenModel(ZooKrakenPreTrainedModel, ZooDecoderModel):
+    runs_layers_whole = False  # run_layers calls the layers' sub-blocks itself
+
     def __init__(self, config: ZooKrakenConfig):
         super().__init__(config)
         d, k = config.hidden_size, config.kraken_degree

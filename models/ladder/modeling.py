@@ -24,6 +24,8 @@ class ZooLadderPreTrainedModel(ZooPreTrainedModel):
 
 
 class ZooLadderModel(ZooLadderPreTrainedModel, ZooDecoderModel):
+    runs_layers_whole = False  # run_layers calls the layers' sub-blocks itself
+
     def make_layer(self, config, layer_idx):
         return PreNormDecoderLayer(config, layer_idx)
 

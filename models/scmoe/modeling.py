@@ -124,6 +124,8 @@ class ZooScMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
 
 
 class ZooScMoeModel(ZooScMoePreTrainedModel, ZooDecoderModel):
+    runs_layers_whole = False  # run_layers calls the layers' sub-blocks itself
+
     def make_layer(self, config, layer_idx):
         if config.is_moe_layer(layer_idx):
             return ScMoeBlock(config, layer_idx)
