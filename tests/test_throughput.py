@@ -1,4 +1,4 @@
-"""train.throughput: FLOPs per token counted on the meta device against hand formulas, the MFU arithmetic,
+"""eval.throughput: FLOPs per token counted on the meta device against hand formulas, the MFU arithmetic,
 and the callback's three metrics in a two-step CPU run."""
 
 import math
@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 import models
-from train.throughput import (
+from eval.throughput import (
     ThroughputMonitor,
     flops_per_token,
     peak_flops,

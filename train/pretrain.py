@@ -81,7 +81,6 @@ from train.run_directory import (
     readable_checkpoint,
 )
 from train.strategy import ZooParallelStrategy
-from train.throughput import ThroughputMonitor, flops_per_token, peak_flops
 
 log = logging.getLogger(__name__)
 # In a rank that Lightning started, the parent is rank 0: if it changes, rank 0 is gone.
@@ -549,11 +548,6 @@ def train(cfg: DictConfig) -> dict:
         StopOnSigterm(last_ckpt, resume_hint=f": the same command with hydra.run.dir={output_dir} resumes from it"),
         StallNotice(timeout_s=(cfg.get("parallel") or {}).get("timeout_s")),
     ]
-    # MFU's numerator: the architecture's own FLOPs per token, counted on the meta device (with the forward
-    # that activation checkpointing recomputes).
-    recompute = cfg.trainer.get("activation_checkpointing", "none")
-    flops = flops_per_token(cfg.model.name, module.model.config, cfg.data.seq_len).with_recompute(recompute)
-    callbacks.append(ThroughputMonitor(flops, peak_flops("auto", cfg.trainer.get("peak_tflops"))))
     loggers = instantiate_group(cfg.get("logger"))
     trainer = build_trainer(
         cfg, callbacks, loggers, sharded_resume=ckpt_path is not None and sharded_checkpoint.is_sharded(ckpt_path)

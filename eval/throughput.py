@@ -184,16 +184,36 @@ class ThroughputMonitor(L.Callback):
     - `train/peak_memory_gb`: `peak_memory_gb` of this rank.
 
     `devices`: the world size the step ran on (None: the trainer's `world_size`).
+
+    As the pretraining app builds it (conf/callbacks/default.yaml: `peak_tflops: ${trainer.peak_tflops}`),
+    `flops_per_token` is None and is counted in `setup`, before the layout shards the model, from the
+    module's own model and settings (`train.module.CausalLMModule`: its architecture, config, and the
+    forward its `activation_checkpointing` recomputes) at the data module's `seq_len`; the peak is
+    `peak_tflops` when set, else the CUDA device's preset (`peak_flops`).
     """
 
-    def __init__(self, flops_per_token: float, peak_flops_per_s: float | None, devices: int | None = None):
+    def __init__(
+        self,
+        flops_per_token: float | None = None,
+        peak_flops_per_s: float | None = None,
+        devices: int | None = None,
+        peak_tflops: float | None = None,
+    ):
         super().__init__()
-        if not flops_per_token > 0:
+        if flops_per_token is not None and not flops_per_token > 0:
             raise ValueError(f"flops_per_token={flops_per_token!r} must be > 0.")
-        self.flops_per_token = float(flops_per_token)
-        self.peak_flops_per_s = peak_flops_per_s
+        self.flops_per_token = float(flops_per_token) if flops_per_token is not None else None
+        self.peak_flops_per_s = peak_flops_per_s if peak_flops_per_s is not None else peak_flops("auto", peak_tflops)
         self.devices = devices
         self._clock: float | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.flops_per_token is not None:
+            return
+        hparams = pl_module.hparams
+        seq_len = trainer.datamodule.seq_len
+        counted = flops_per_token(hparams["model_name"], pl_module.model.config, seq_len)
+        self.flops_per_token = counted.with_recompute(hparams.get("activation_checkpointing", "none"))
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.peak_flops_per_s is None and trainer.is_global_zero:
