@@ -201,7 +201,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def dp2_tp2_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2_tp2")
-    train(compose_pretrain([*RUN, "data.batch_size=8"], root / "one_process"))
+    train(compose_pretrain([*RUN, "data.batch_size=8", *KEEP_CHECKPOINTS], root / "one_process"))
     run_subprocess(root / "dp2_tp2", "parallel=dp2_tp2", "data.batch_size=4", *KEEP_CHECKPOINTS)
     return root
 
@@ -254,3 +254,14 @@ def test_dp2_tp2_checkpoint_resumes_at_other_degrees(dp2_tp2_runs, degrees, tmp_
     one = losses(dp2_tp2_runs / "one_process")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(one[3:]), rtol=1e-5, atol=0)
 
+
+
+@pytest.mark.slow
+def test_one_process_file_checkpoint_resumes_under_fsdp_at_dp2_tp2(dp2_tp2_runs, tmp_path):
+    """The other way: one process's one-file checkpoint (step 3) continued at dp 2 x tp 2 on FSDP (each rank
+    copies its regions of the unsharded weights and Adam state) on the curve of the run that never stopped."""
+    step3 = dp2_tp2_runs / "one_process/checkpoints/step3.ckpt"
+    assert step3.is_file()
+    run_subprocess(tmp_path / "resumed", *RESUME_AT["dp2_tp2"], f"resume={step3}")
+    resumed = losses(tmp_path / "resumed")
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses(dp2_tp2_runs / "one_process")[3:]), rtol=1e-5, atol=0)
