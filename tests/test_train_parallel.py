@@ -246,7 +246,11 @@ def test_dp2_tp2_checkpoint_resumes_at_other_degrees(dp2_tp2_runs, degrees, tmp_
     # the same global batch of 8, over the data ranks
     overrides = [*RESUME_AT[degrees], f"resume={step3}"]
     if degrees == "none":
+        environ = dict(os.environ)
         train(compose_pretrain([*RUN, *overrides], tmp_path / "resumed"))
+        # the process group the sharded resume started in this process ended with the run, and its environment
+        # (MASTER_PORT, ...) is gone: later runs started from here would take it for theirs
+        assert not dist.is_initialized() and dict(os.environ) == environ
     else:
         run_subprocess(tmp_path / "resumed", *overrides)
     resumed = losses(tmp_path / "resumed")

@@ -496,6 +496,28 @@ def sigterm_outside_fit(trainer: L.Trainer, output_dir: Path):
 
 def train(cfg: DictConfig) -> dict:
     """Runs one pretraining job; returns its metrics and output paths (the same on every rank)."""
+    with process_group_of_this_run():
+        return _train(cfg)
+
+
+@contextmanager
+def process_group_of_this_run():
+    """A process group the run starts in this process (ZooParallelStrategy: Lightning starts one even for a
+    single process resuming a sharded checkpoint) ends with the run, and the environment Lightning exported for
+    it (MASTER_PORT, WORLD_SIZE, LOCAL_RANK, ...) is put back: a later run in the same process (eval.tour,
+    eval.replicate, train.convert's retraining) or a process it starts would otherwise take it for its own."""
+    started_here = not (dist.is_available() and dist.is_initialized())
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        if started_here and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(environ)
+
+
+def _train(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.paths.output_dir).resolve()
     try:
         check_config(cfg)
