@@ -277,11 +277,14 @@ def compile_ladder(backend: str) -> None:
     compiled_steps_equal_eager(lambda: build("ladder", {}), ids, backend, "ladder")
 
 
+# Slow (the default run compiles under FSDP + TP 2 in tests/test_fsdp.py).
+@pytest.mark.slow
 def test_compiled_training_step_equals_eager():
     compile_ladder("aot_eager")
     run_ranks(_compile_tp_ranks, 2, "aot_eager")
 
 
+@pytest.mark.slow
 def test_compiled_moe_training_step_equals_eager():
     # ScMoE: its dropless MoE blocks and the units reaching them (dispatch_shortcut) stay eager (graph breaks
     # around them), its attention / shared-expert sub-blocks and its dense layers compile.

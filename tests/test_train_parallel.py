@@ -34,6 +34,7 @@ from tests.distributed import run_ranks
 from tests.test_train import TINY, compose_pretrain, subprocess_env
 from train.data import LMDataModule
 from train.export_checkpoint import load_unsharded
+from train.export_checkpoint import main as export_main
 from train.module import CausalLMModule
 from train.pretrain import build_trainer, check_config, train, trainer_devices
 from train.strategy import ZooParallelStrategy
@@ -269,3 +270,17 @@ def test_one_process_file_checkpoint_resumes_under_fsdp_at_dp2_tp2(dp2_tp2_runs,
     run_subprocess(tmp_path / "resumed", *RESUME_AT["dp2_tp2"], f"resume={step3}")
     resumed = losses(tmp_path / "resumed")
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses(dp2_tp2_runs / "one_process")[3:]), rtol=1e-5, atol=0)
+
+
+def test_export_checkpoint_offline_equals_the_streamed_export(dp2_tp2_runs, tmp_path, capsys):
+    """`python -m train.export_checkpoint` on the dp 2 x tp 2 run's sharded checkpoint, in one process: the same
+    hf/ weights as the run's own streamed export; a non-empty output directory is refused (nothing overwritten)."""
+    run_dir, out = dp2_tp2_runs / "dp2_tp2", tmp_path / "exported"
+    assert export_main([str(run_dir / "checkpoints/last.ckpt"), str(out)]) == 0
+    offline = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    streamed = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
+    assert offline.keys() == streamed.keys()
+    for name, tensor in streamed.items():
+        torch.testing.assert_close(offline[name], tensor, rtol=0, atol=0)
+    assert export_main([str(run_dir / "checkpoints/last.ckpt"), str(out)]) == 1
+    assert "is not empty" in capsys.readouterr().err
