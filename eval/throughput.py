@@ -47,19 +47,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from eval.simulator.device import DEVICES, EXTRA_FLOPS
+from train.activation_checkpointing import SAVED_OPS
 
 log = logging.getLogger(__name__)
 
 RECOMPUTE = ("none", "full", "selective")
-aten = torch.ops.aten
-# The ops whose outputs selective activation checkpointing saves (matmuls and attention, torchtitan's save list):
-# it recomputes everything else. The FLOP counter counts matmul-like ops only, so what selective adds is ~0
-# (exactly 0 for every zoo architecture: every op with a FLOP count is in this set).
-SELECTIVE_SAVES = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten._scaled_mm,
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention, aten._flash_attention_forward, aten._efficient_attention_forward,
-}  # fmt: skip
+# The ops whose outputs selective activation checkpointing saves (its own policy's list, as packets: the FLOP
+# counter keys by them); it recomputes everything else. The counter counts matmul-like ops only, so what
+# selective adds is ~0 (exactly 0 for every zoo architecture: every op with a FLOP count is saved).
+SELECTIVE_SAVES = {op.overloadpacket for op in SAVED_OPS}
 
 
 def _raw(formula):

@@ -16,14 +16,10 @@ recomputation: nothing is counted twice.
 
 - "full": units recomputed whole (non-reentrant `checkpoint` without torch's early stop, which could end a
   recomputation before a collective on one rank and after it on another): their collectives are issued again.
-  Per training step of the tiny configs at degree 2 on 2 gloo ranks (`FULL_REISSUED`, asserted by the tests):
-  llama, gqla (tp 2): 8 all-reduces (both of each layer); parallel: 4 (one per layer); ladder: 4 (its 2
-  standard layers; laddered ones wait in run_layers, outside units); kraken: 0 (all in run_layers); moe (ep 2):
-  2 exchange_splits + 4 all-to-alls + 2 all-reduces (dispatch, combine, balance loss of 2 MoE layers); scmoe:
-  2 + 2 + 2 (`dispatch_shortcut`: counts, dispatch, balance loss; the combine is the trunk's); moepp: 4 + 8 + 4;
-  linear (sp 2): 4 all-gathers (LASP-2); linear_hybrid: 5 (3 LASP-2 layers, LASP-2H's K and V). A module with
-  an `sp_group` keeps its own activations in a full region (`_KeepActivations`): parallel.sequence's LASP
-  backward differentiates graphs of its own, each a graph task that would recompute the region again, a
+  How many per training step, for each architecture's tiny config at its degree 2, is measured and stated in
+  tests/test_activation_checkpointing.py (`FULL_REISSUED`); none where a trunk waits its collectives between
+  units. A module with an `sp_group` keeps its own activations in a full region (`_KeepActivations`):
+  parallel.sequence's LASP backward differentiates graphs of its own, each a graph task that would recompute the region again, a
   rank-dependent number of times (mismatched collectives, a hang).
 - "selective": `create_selective_checkpoint_contexts`, saving matmul-like outputs (`SAVED_OPS`), recomputing
   the rest (norms, activations, rotary, routing). No zoo collective in a region: they are autograd Functions
@@ -62,20 +58,6 @@ from models.common.moe import dispatching_blocks
 MODES = ("none", "full", "selective")
 SUB_BLOCKS = ("attention_block", "mlp_block", "shared_expert_block")
 KEPT_GROUPS = ("sp_group",)  # modules with one keep their activations inside full regions
-
-# Collectives one "full" training step of the tiny config at degree 2 (2 gloo ranks) issues beyond mode "none".
-FULL_REISSUED = {
-    "llama": {"all_reduce": 8},
-    "parallel": {"all_reduce": 4},
-    "gqla": {"all_reduce": 8},
-    "ladder": {"all_reduce": 4},
-    "kraken": {},
-    "moe": {"exchange_splits": 2, "all_to_all": 4, "all_reduce": 2},
-    "scmoe": {"exchange_splits": 2, "all_to_all": 2, "all_reduce": 2},
-    "moepp": {"exchange_splits": 4, "all_to_all": 8, "all_reduce": 4},
-    "linear": {"all_gather": 4},
-    "linear_hybrid": {"all_gather": 5},
-}
 
 SAVED_OPS = {
     getattr(torch.ops.aten, name).default
