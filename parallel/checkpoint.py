@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from parallel.layout import owned_entries, shard_specs
 from parallel.mesh import DIM_ORDER
+from parallel.state import _gather_owned, _gather_splits, _named_params, _owner_passes, _unsharded_numbering
 
 __all__ = ["global_view", "model_views", "optimizer_views", "stream_full_state"]
 
@@ -90,11 +91,6 @@ def model_views(model: nn.Module, mesh, prefix: str = "") -> dict[str, torch.Ten
     specs = shard_specs(model)
     state = model.state_dict(keep_vars=True)
     return {prefix + name: global_view(t.detach() if t.requires_grad else t, specs.get(name, ()), mesh) for name, t in state.items()}
-
-
-def _named_params(model: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
 
 
 def init_optimizer_state(optimizer) -> None:
@@ -158,8 +154,6 @@ def stream_full_state(model: nn.Module, layers_prefix: str = "model.layers."):
     """Yield the unsharded state dict of a sharded (and maybe FSDP-sharded) model in blocks (collective: every
     rank takes part and receives each block; each block freed before the next is gathered). Names and order
     are the unsharded model's."""
-    from parallel.state import _gather_owned, _gather_splits, _owner_passes
-
     specs = shard_specs(model)
     state = model.state_dict(keep_vars=True)
     passes = _owner_passes(model)
@@ -206,8 +200,6 @@ def load_full_state(model: nn.Module, mesh, state: dict[str, torch.Tensor]) -> N
 def load_full_optimizer(model: nn.Module, optimizer, mesh, state: dict) -> None:
     """Copy an unsharded optimizer state (`parallel.state.full_optimizer_state`'s numbering) into the
     optimizer of a sharded model, by parameter name."""
-    from parallel.state import _unsharded_numbering
-
     init_optimizer_state(optimizer)
     _, index = _unsharded_numbering(model, optimizer)
     for name, entry in optimizer_views(model, optimizer, mesh).items():

@@ -37,25 +37,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from parallel.layout import MESH_DIM_ALIASES, shard_specs
+from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
+from parallel.layout import shard_specs
 
 __all__ = ["TOKEN_DIMS", "apply_fsdp", "fsdp_mesh", "is_expert", "scale_expert_gradients"]
-
-# Mesh dimensions whose ranks see different tokens.
-TOKEN_DIMS = ("dp", "ep", "sp")
-
-
-def _degrees(mesh) -> dict[str, int]:
-    names = mesh.mesh_dim_names or ()
-    return {MESH_DIM_ALIASES.get(n, n): mesh.size(i) for i, n in enumerate(names)}
-
 
 def fsdp_mesh(mesh, dims: tuple[str, ...] = TOKEN_DIMS):
     """The 1-D mesh FSDP shards over: `dims` of `mesh` flattened (row-major), or None if they are all 1.
     Never includes tp: FSDP over tp ranks (which share their tokens) would average their partial outputs."""
     if "tp" in dims:
         raise ValueError("FSDP shards over token dimensions (dp, ep, sp) only; tp ranks share their tokens.")
-    degrees = _degrees(mesh)
+    degrees = mesh_degrees(mesh)
     if math.prod(degrees.get(d, 1) for d in dims) == 1:
         return None
     used = tuple(d for d in dims if degrees.get(d, 1) > 1)
