@@ -288,6 +288,36 @@ class DeviceClock(TorchDispatchMode):
         return np.concatenate([[0.0], np.cumsum(per_op)]).tolist()
 
 
+def attention_charges(q, k, v, kwargs: dict, gqa_expand: bool = False) -> list[tuple[str, float, float]]:
+    """`F.scaled_dot_product_attention(q, k, v, **kwargs)` as the kernels a GPU runs (module docstring), each
+    (name, FLOPs, HBM bytes): flash attention's one fused kernel, after the K / V repeat with `gqa_expand`."""
+    b, h, tq, d = q.shape
+    tk = k.shape[-2]
+    flops = 4 * b * h * tq * tk * d
+    if kwargs.get("is_causal") and tq > 1:
+        flops //= 2  # the blocks above the diagonal are skipped
+    mask = kwargs.get("attn_mask")
+    kv_bytes = tensor_bytes(k) + tensor_bytes(v)
+    out = []
+    if gqa_expand and k.shape[-3] < h:
+        expanded = kv_bytes * h // k.shape[-3]  # K and V repeated to every query head
+        out.append(("repeat_kv", 0, kv_bytes + expanded))
+        kv_bytes = expanded
+    nbytes = tensor_bytes(q) + kv_bytes + tensor_bytes(q) * v.shape[-1] // d
+    if isinstance(mask, torch.Tensor):
+        nbytes += tensor_bytes(mask)
+    out.append(("scaled_dot_product_attention", flops, nbytes))
+    return out
+
+
+def sdpa_keywords(args: tuple, kwargs: dict) -> tuple:
+    """(q, k, v, kwargs) of a call to F.scaled_dot_product_attention, its positional options as keywords."""
+    q, k, v, rest = *args[:3], args[3:]
+    if rest:
+        kwargs = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), rest, strict=False)), **kwargs}
+    return q, k, v, kwargs
+
+
 class _FusedAttention(TorchFunctionMode):
     """Charges `F.scaled_dot_product_attention` as one flash-attention kernel and runs it quietly."""
 
@@ -299,21 +329,7 @@ class _FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        q, k, v = args[:3]
-        b, h, tq, d = q.shape
-        tk = k.shape[-2]
-        flops = 4 * b * h * tq * tk * d
-        if kwargs.get("is_causal") and tq > 1:
-            flops //= 2  # the blocks above the diagonal are skipped
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        kv_bytes = tensor_bytes(k) + tensor_bytes(v)
-        if self.clock.gqa_expand and k.shape[-3] < h:
-            expanded = kv_bytes * h // k.shape[-3]  # K and V repeated to every query head
-            self.clock.charge("repeat_kv", 0, kv_bytes + expanded)
-            kv_bytes = expanded
-        nbytes = tensor_bytes(q) + kv_bytes + tensor_bytes(q) * v.shape[-1] // d
-        if isinstance(mask, torch.Tensor):
-            nbytes += tensor_bytes(mask)
-        self.clock.charge("scaled_dot_product_attention", flops, nbytes)
+        for charge in attention_charges(*sdpa_keywords(args, kwargs), gqa_expand=self.clock.gqa_expand):
+            self.clock.charge(*charge)
         with self.clock.quiet():
             return func(*args, **kwargs)

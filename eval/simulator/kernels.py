@@ -15,11 +15,14 @@ fused kernel's cost is charged instead, through `DeviceClock.charge`:
 A new fused kernel is one more cost function of (name, FLOPs, HBM bytes) tuples handed to `charged_kernel`.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from eval.simulator.device import DeviceClock, tensor_bytes
+from eval.simulator.device import DeviceClock, attention_charges, sdpa_keywords, tensor_bytes
+from models.common.values import has_values
 
 FLA_CHUNK = 64  # fla's chunk_simple_gla: tokens per chunk (BT)
 
@@ -31,11 +34,15 @@ class _ChargedKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, clock, fn, forward, backward, *tensors):
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        with torch.enable_grad(), clock.quiet():
+        # Without values (the meta device) the gradients are shapes only: the decomposition's graph is not kept
+        # (nor differentiated again: inside a selective activation-checkpointing region that would be a second
+        # backward of the region).
+        shapes_only = all(not has_values(t) for t in tensors)
+        with torch.set_grad_enabled(not shapes_only), clock.quiet():
             out = fn(*leaves)
         for name, flops, nbytes in forward:
             clock.charge(name, flops, nbytes)
-        ctx.clock, ctx.costs, ctx.graph = clock, backward, (out, leaves)
+        ctx.clock, ctx.costs, ctx.graph = clock, backward, (None if shapes_only else out, leaves)
         return out.detach()
 
     @staticmethod
@@ -43,8 +50,11 @@ class _ChargedKernel(torch.autograd.Function):
         out, leaves = ctx.graph
         del ctx.graph
         wanted = [x for x in leaves if x.requires_grad]
-        with ctx.clock.quiet():
-            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        if out is None:
+            found = iter(torch.empty_like(x) for x in wanted)
+        else:
+            with ctx.clock.quiet():
+                found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
         for name, flops, nbytes in ctx.costs:
             ctx.clock.charge(name, flops, nbytes)
         return (None, None, None, None, *(next(found) if x.requires_grad else None for x in leaves))
@@ -134,3 +144,35 @@ class FlashBackward(TorchFunctionMode):
         return charged_kernel(self.clock, lambda q, k, v: func(q, k, v, **kwargs), [], [cost], q, k, v)
 
 
+
+
+@contextmanager
+def flash_attention(clock: DeviceClock):
+    """`F.scaled_dot_product_attention` replaced, for the duration, by flash attention's forward and backward
+    charged as one kernel each (`attention_charges`, `flash_backward_cost`), the meta device's own run quiet.
+
+    What `FlashBackward` (with the clock's `_FusedAttention`) does, as a patched function rather than a torch
+    function mode: activation checkpointing recomputes a region inside the backward, where no torch function mode
+    is active (torch 2.13), so a mode would charge the original forward and not its recomputation, and the two
+    would save different tensors (checkpoint refuses that). A module attribute is seen by both."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        q, k, v, kwargs = sdpa_keywords(args, kwargs)
+        for charge in attention_charges(q, k, v, kwargs, gqa_expand=clock.gqa_expand):
+            clock.charge(*charge)
+
+        def run(q, k, v):
+            with torch._C.DisableTorchFunction():  # the clock's own attention mode: charged above already
+                return original(q, k, v, **kwargs)
+
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
+            with clock.quiet():
+                return run(q, k, v)
+        return charged_kernel(clock, run, [], [flash_backward_cost(q, k, v, kwargs)], q, k, v)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

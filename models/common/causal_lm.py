@@ -42,6 +42,7 @@ from models.common.cache import (
 )
 from models.common.norm import RMSNorm
 from models.common.rotary import RotaryEmbedding, rope_inv_freq
+from models.common.values import has_values
 from models.registry import entry_for  # ZOO is filled when `models` is imported, after this module
 
 # Output projections feed the residual stream; GPT-2 / Megatron scale their init by 1/sqrt(2L) so the
@@ -340,7 +341,7 @@ class ZooDecoderModel(ZooPreTrainedModel):
         compiling = torch.compiler.is_compiling()
         # Skipped where it cannot read values: under compile, and on the meta device (the speed simulator
         # runs the real forward without values); and for single-token decode (a host sync per token).
-        if input_ids is not None and not compiling and not input_ids.is_meta and not (past_len != 0 and q_len == 1):
+        if input_ids is not None and not compiling and has_values(input_ids) and not (past_len != 0 and q_len == 1):
             lowest, highest = torch.aminmax(input_ids)
             lowest, highest, vocab = int(lowest), int(highest), self.config.vocab_size
             if highest >= vocab:

@@ -121,6 +121,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
+from models.common.values import has_values
 from parallel import comm
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -254,7 +255,7 @@ class Routing:
 def take(t: torch.Tensor, keep: torch.Tensor, expected: int | None = None) -> torch.Tensor:
     """`t[keep]`. On the meta device, which has no values to select by, the first `expected` rows: the speed
     simulator's stand-in (eval.simulator.replay) for a selection whose size depends on the routing."""
-    if not t.is_meta:
+    if has_values(t):
         return t[keep]
     if expected is None:
         raise ValueError(
@@ -550,7 +551,7 @@ def dispatch(
     # Expert-sorted order; stable, so each expert's assignments keep their order (earlier tokens first).
     order = torch.argsort(expert_idx, stable=True)
     counts = count_per_index(expert_idx, num_experts)
-    if capacity is not None and device.type != "meta":
+    if capacity is not None and has_values(x):
         first = counts.cumsum(0) - counts
         position = torch.arange(order.numel(), device=device) - first[expert_idx[order]]
         order = order[position < capacity]
@@ -561,7 +562,7 @@ def dispatch(
     token_first = per_token.cumsum(0) - per_token
     slot = torch.empty_like(token_idx)
     slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
-    if device.type == "meta":
+    if not has_values(x):
         # The speed simulator (eval.simulator.replay) runs without values: the routing is taken to be the load the
         # balance loss aims for, the assignments spread evenly over the experts (capacity then applied).
         counts, slots = balanced_counts(token_idx.numel(), num_experts, capacity), max(1, -(-token_idx.numel() // num_tokens))

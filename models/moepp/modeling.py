@@ -47,6 +47,7 @@ from models.common.moe import (
     routing_dtype,
     take,
 )
+from models.common.values import has_values
 from models.moepp.configuration import ZooMoeppConfig
 from models.moepp.sharding import PLAN
 from parallel import comm
@@ -160,7 +161,7 @@ class MoePlusPlus(nn.Module):
             self.dropped_assignments += pending.dropped
             zc_out = self.zero_computation_dense(x, routing, keep & ~ffn)
         else:
-            expected = self.expected_assignments(num_tokens) if x.is_meta else {}
+            expected = self.expected_assignments(num_tokens) if not has_values(x) else {}
             # Only the FFN experts' assignments enter the all-to-all (issued here, not waited).
             pending = dispatch(x, routing.select(ffn, expected.get("ffn")), self.experts, ep_group=self.ep_group)
             # The copy and constant experts run on this rank while the dispatch is in flight.
