@@ -59,7 +59,9 @@ from train.activation_checkpointing import apply_activation_checkpointing
 # master weight, both moments read and written (24 B), the gradient read (4 B); the gradient norm reads the
 # gradient again and the clipping scales it in place (4 + 8 B).
 OPTIMIZER_BYTES_PER_PARAM = 40
-OPTIMIZER_KERNELS = 3  # the norm, the clip, the fused step (multi-tensor kernels: overhead, not bytes, per launch)
+OPTIMIZER_KERNELS = (
+    3  # the norm, the clip, the fused step (multi-tensor kernels: overhead, not bytes, per launch)
+)
 FSDP_DIM, EXPERT_DIM = "fsdp", "fsdp_experts"  # the link names the FSDP collectives are issued on
 
 
@@ -86,7 +88,9 @@ class TrainLayout:
         if self.ac not in AC_MODES:
             raise ValueError(f"TrainLayout.ac={self.ac!r} is not one of {AC_MODES}.")
         if self.seq_len % self.sp:
-            raise ValueError(f"seq_len={self.seq_len} does not split over sp={self.sp}; use a multiple of {self.sp}.")
+            raise ValueError(
+                f"seq_len={self.seq_len} does not split over sp={self.sp}; use a multiple of {self.sp}."
+            )
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -139,7 +143,11 @@ def fsdp_units(model: nn.Module) -> tuple[Unit, list[Unit]]:
         layers.append(Unit(modules, sum(p.numel() for p in params if p not in experts),
                            sum(p.numel() for p in params if p in experts)))  # fmt: skip
     rest = [p for p in model.parameters() if id(p) not in seen]
-    root = Unit([model], sum(p.numel() for p in rest if p not in experts), sum(p.numel() for p in rest if p in experts))
+    root = Unit(
+        [model],
+        sum(p.numel() for p in rest if p not in experts),
+        sum(p.numel() for p in rest if p in experts),
+    )
     return root, layers
 
 
@@ -186,7 +194,11 @@ class FSDPSchedule:
         for i, unit in enumerate(self.layers):
             for m in unit.modules:
                 hooks.append(m.register_forward_pre_hook(lambda *_, i=i: self.pre_forward(i)))
-                hooks.append(m.register_forward_hook(lambda _m, _a, out, i=i: _mark_output(out, lambda: self.pre_backward(i))))
+                hooks.append(
+                    m.register_forward_hook(
+                        lambda _m, _a, out, i=i: _mark_output(out, lambda: self.pre_backward(i))
+                    )
+                )
         return hooks
 
     # -- the collectives of one unit -----------------------------------------------------------------------
@@ -225,7 +237,9 @@ class FSDPSchedule:
     def start_backward(self) -> None:
         self.backward, self._done = True, set()
         if self.layout.reshard_after_forward:
-            self._gathered = {"root": []}  # the root stays gathered; the layers were freed after their forward
+            self._gathered = {
+                "root": []
+            }  # the root stays gathered; the layers were freed after their forward
 
     def pre_backward(self, i: int) -> None:
         if not self.backward or i in self._done or self.layout.fsdp_size == 1:
@@ -248,7 +262,9 @@ class FSDPSchedule:
         self._pending = []
 
 
-def build_training_meta(arch: str, config, layout: TrainLayout, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def build_training_meta(
+    arch: str, config, layout: TrainLayout, dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
     """`arch` on the meta device in `dtype`, laid out for `layout` on a fake mesh (rank 0's shards), activation
     checkpointing applied as the trainer applies it. The mesh stays up until `eval.simulator.replay.release()`."""
     mesh = parallel.init_mesh(**layout.degrees, fake=True)
@@ -307,7 +323,7 @@ class TrainingRecording:
         return t + collective_time("all_reduce", 4, self.world_size, preset)  # the norm over every rank
 
 
-def _shard_params(model: nn.Module, layout: TrainLayout) -> int:
+def shard_params(model: nn.Module, layout: TrainLayout) -> int:
     specs = shard_specs(model)
     total = 0
     for name, p in model.named_parameters():
@@ -327,7 +343,7 @@ def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu"
     model_flops = flops_per_token(arch, config, layout.seq_len).train
     model = build_training_meta(arch, config, layout)
     try:
-        shard = _shard_params(model, layout)
+        shard = shard_params(model, layout)
         root, layers = fsdp_units(model)
         schedule = FSDPSchedule(layout, root, layers)
         hooks = schedule.install() if layout.fsdp else []
@@ -338,9 +354,13 @@ def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu"
             if kernels == "gpu":
                 stack.enter_context(flash_attention(clock))
                 for module in model.modules():
-                    if callable(getattr(module, "intra_chunk", None)):  # a linear-attention mixer's chunk kernel
+                    if callable(
+                        getattr(module, "intra_chunk", None)
+                    ):  # a linear-attention mixer's chunk kernel
                         module.intra_chunk = fla_intra(clock, module.intra_chunk)
-            vclock = stack.enter_context(comm.use_mode("simulated", link=NO_COMM, world_size=world, now=clock.mark))
+            vclock = stack.enter_context(
+                comm.use_mode("simulated", link=NO_COMM, world_size=world, now=clock.mark)
+            )
             recorder = ClockRecorder(vclock)
             comm.reset_counters()
             vclock.start()
@@ -349,7 +369,9 @@ def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu"
             vclock.elapsed()  # mark: end of the forward
             schedule.start_backward()
             loss.backward()
-            if not layout.fsdp and layout.dp * layout.ep * layout.sp > 1:  # grad_sync: one all-reduce, exposed
+            if (
+                not layout.fsdp and layout.dp * layout.ep * layout.sp > 1
+            ):  # grad_sync: one all-reduce, exposed
                 ready = vclock.issue("all_reduce", 4 * shard, layout.dp * layout.ep * layout.sp, FSDP_DIM)
                 vclock.wait(ready)
             schedule.end_backward()
@@ -357,7 +379,9 @@ def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu"
         for h in hooks:
             h.remove()
         all_params = _whole_model_params(model, layout)
-        return TrainingRecording(layout, clock, recorder, comm.snapshot_counters(), shard, all_params, model_flops, world)
+        return TrainingRecording(
+            layout, clock, recorder, comm.snapshot_counters(), shard, all_params, model_flops, world
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

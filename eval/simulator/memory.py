@@ -1,0 +1,196 @@
+"""Peak memory per rank, predicted by running the trainer's own engine on fake tensors: `python -m eval.plan` reads it.
+
+    layout = TrainLayout(dp=8, micro_batch=2, seq_len=8192, ac="selective")
+    predict_training_memory("llama", config, layout)   # {"peak_bytes", "params_bytes", "activations_bytes", ...}
+
+The model is built under PyTorch's `FakeTensorMode` (shapes and devices, no storage: an 8B model costs nothing) on
+the fake process group, laid out as the trainer lays it out: `parallel.parallelize`, activation checkpointing
+(`train.activation_checkpointing`), FSDP2's `fully_shard` (`parallel.fsdp.apply_fsdp`, bf16 parameters, fp32
+reduction) — the real FSDP2, its all-gather and reduce-scatter buffers included. One micro-batch's forward and
+backward run under PyTorch's own memory tracker (`torch.distributed._tools.FSDPMemTracker`, or `MemTracker`
+without FSDP), which counts every tensor alive at each moment by kind (parameters sharded and unsharded,
+gradients, activations, FSDP's buffers, temporaries); the peak of the forward and backward is the one it saw.
+The models take their stand-in paths on fake tensors as on the meta device (models/common/values.py: a routing's
+counts taken as the balanced load); collectives of the layout run in comm mode `none` (same shapes, no transfer).
+
+What the tracker is not given: the optimizer. On torch 2.13, under FakeTensorMode, `FSDPMemTracker` counts AdamW's
+state of DTensor parameters at about 4x the full model's size (1.9 GB where the states hold 0.11 GB, checked on the
+first version of this module), so the state is counted here from the shards, exactly: two fp32 moments per fp32
+element of this rank's shard (`TrainingMemory.optimizer_bytes`), alive from the first step on, so added to the
+forward / backward peak (gradients are freed between steps: Lightning's `zero_grad(set_to_none=True)`).
+
+Not modelled: the CUDA caching allocator's reserve over what is allocated (fragmentation, blocks held for reuse:
+torchtitan and `torch.cuda.max_memory_reserved` report the reserve), NCCL's own buffers and the CUDA context
+(~0.5-1 GiB per GPU), and torch.compile's changes to what is saved (the numbers are eager's).
+
+Generation (`predict_inference_memory`): the weights in their dtype, as sharded, and the architecture's static
+cache (`make_cache(static=True)`) of `max_len` tokens, at the peak of a prefill of the prompt.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import models
+import parallel
+from eval.simulator.training import TrainLayout, shard_params
+from parallel import comm
+from parallel.fsdp import apply_fsdp
+from train.activation_checkpointing import apply_activation_checkpointing
+
+GiB = 2**30
+
+
+@dataclass
+class TrainingMemory:
+    """Bytes per rank at the peak of a training step (module docstring)."""
+
+    peak_bytes: int  # forward / backward peak + optimizer state
+    params_bytes: int  # this rank's parameters as held between steps (fp32 shards)
+    grads_bytes: int  # this rank's gradients at the end of the backward (fp32 shards)
+    optimizer_bytes: int  # AdamW's two fp32 moments of this rank's shard
+    activations_bytes: int  # activations alive at the peak
+    fsdp_buffers_bytes: (
+        int  # unsharded parameters and gradients, all-gather and reduce-scatter buffers at the peak
+    )
+    other_bytes: int  # temporaries, inputs, buffers at the peak
+    peak_phase: str  # "forward" or "backward"
+    saved_activations_bytes: int  # activations alive at the end of the forward (what the backward keeps)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["peak_gib"] = self.peak_bytes / GiB
+        return out
+
+
+def _device_total(snapshot: dict) -> dict:
+    """The tracker's snapshot of the one device it saw: {kind name: bytes}."""
+    (per_device,) = [v for k, v in snapshot.items() if isinstance(k, torch.device)]
+    return {getattr(k, "value", k): v for k, v in per_device.items()}
+
+
+def predict_training_memory(
+    arch: str, config, layout: TrainLayout, param_dtype: torch.dtype = torch.bfloat16
+) -> TrainingMemory:
+    """Peak bytes per rank of a training step of `arch` at `layout` (module docstring)."""
+    mesh = parallel.init_mesh(**layout.degrees, fake=True)
+    try:
+        with FakeTensorMode(), comm.use_mode("none"):
+            model = models.get(arch).model_class(config)
+            parallel.parallelize(model, mesh)
+            apply_activation_checkpointing(model, layout.ac)
+            fsdp = layout.fsdp and layout.fsdp_size > 1
+            if fsdp:
+                policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+                apply_fsdp(model, mesh, model.model, layout.reshard_after_forward, policy)
+            model.train()
+            shard = shard_params(model, layout) if not fsdp else _local_numel(model)
+            ids = torch.zeros(layout.micro_batch, layout.seq_len // layout.sp, dtype=torch.long)
+            if fsdp:
+                tracker = FSDPMemTracker(model)
+                tracker.track_inputs((ids,))
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model)
+            with tracker:
+                # Without FSDP the trainer's bf16 mixed precision is autocast over fp32 parameters.
+                with torch.autocast("cpu", dtype=param_dtype, enabled=not fsdp):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                saved = _device_total(tracker.get_tracker_snapshot("current"))
+                loss.backward()
+            peak = _device_total(tracker.get_tracker_snapshot("peak"))
+            phase = _peak_phase(tracker, model, peak["Total"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return _breakdown(peak, saved, shard, phase)
+
+
+def _local_numel(model) -> int:
+    """Elements of this rank's parameters (FSDP's DTensors by their local shard)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+
+
+def _peak_phase(tracker, model, total: int) -> str:
+    stats = tracker.memory_tracking.get(model) if hasattr(tracker, "memory_tracking") else None
+    if stats is None:
+        return "forward/backward"
+    fw = max(
+        (
+            s.get("Total", 0)
+            for snap in stats.snapshots.get("Peak Forward", [])
+            for s in [_device_total(snap)]
+        ),
+        default=0,
+    )
+    return "forward" if fw >= total else "backward"
+
+
+def _breakdown(peak: dict, saved: dict, shard: int, phase: str) -> TrainingMemory:
+    optimizer = 8 * shard
+    params = peak.get("Sharded Param", peak.get("Parameter", 0))
+    grads = peak.get("Sharded Grad", peak.get("Gradient", 0))
+    activations = peak.get("Activation", 0)
+    fsdp_buffers = sum(
+        peak.get(k, 0) for k in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter")
+    )
+    other = (
+        peak["Total"]
+        - params
+        - grads
+        - activations
+        - fsdp_buffers
+        - peak.get("OptState", peak.get("Optstate", 0))
+    )
+    return TrainingMemory(
+        peak_bytes=peak["Total"] + optimizer,
+        params_bytes=4 * shard,
+        grads_bytes=4 * shard,
+        optimizer_bytes=optimizer,
+        activations_bytes=activations,
+        fsdp_buffers_bytes=fsdp_buffers,
+        other_bytes=other,
+        peak_phase=phase,
+        saved_activations_bytes=saved.get("Activation", 0),
+    )
+
+
+def predict_inference_memory(
+    arch: str,
+    config,
+    degrees: dict[str, int],
+    batch: int,
+    prompt_len: int,
+    max_len: int,
+    dtype=torch.bfloat16,
+) -> dict:
+    """Peak bytes per rank of generation: weights (`dtype`, sharded by `degrees`), the static cache of `max_len`
+    tokens, and the prefill's temporaries (logits of the last position), from PyTorch's MemTracker on fake tensors."""
+    mesh = parallel.init_mesh(**degrees, fake=True)
+    try:
+        with FakeTensorMode(), comm.use_mode("none"), torch.no_grad():
+            model = models.get(arch).model_class(config)
+            parallel.parallelize(model, mesh)
+            model.to(dtype).eval()
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                cache = model.model.make_cache(batch_size=batch, max_cache_len=max_len, static=True)
+                ids = torch.zeros(batch, prompt_len, dtype=torch.long)
+                model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+                after = _device_total(tracker.get_tracker_snapshot("current"))
+            peak = _device_total(tracker.get_tracker_snapshot("peak"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {
+        "peak_bytes": peak["Total"],
+        "weights_bytes": weights,
+        "cache_and_state_bytes": after["Total"] - weights,
+    }

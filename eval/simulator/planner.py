@@ -1,0 +1,246 @@
+"""The layout planner: every training (or generation) layout of an architecture on a cluster, predicted, ranked.
+
+Training (`plan_training`): every dp x tp x ep x sp the architecture's layout takes on `gpus` GPUs (tp and the
+dimensions inside it within a node), FSDP on / off, each activation-checkpointing mode and micro-batch whose
+gradient accumulation reaches the global batch, predicted by the simulator's training replay
+(eval.simulator.training: step time, tokens/s per device, MFU, exposed communication) and its memory replay
+(eval.simulator.memory: peak bytes per rank); a layout fits when its peak is within the device's memory. Ranked
+by tokens/s; the best one's `train.pretrain` command line is printed.
+
+Generation (`plan_generation`): every tp (x ep) within a node, the prefill and decode step replayed
+(eval.simulator.replay), the static cache's memory; the best tokens/s whose decode step meets `latency_ms`.
+
+Links per mesh dimension: a group inside one node runs on the node's NVLink preset; one that spans nodes on a
+`HierarchicalLink` (NVLink inside, one NIC per GPU between nodes). Ranks are numbered node by node, tp innermost,
+then sp, ep, dp (parallel.init_mesh's order), so a dimension's group spans `size x stride` consecutive ranks.
+
+Memory is replayed at micro-batch 1 and 2 for each (mesh, engine, AC) and taken as linear in the micro-batch
+between and beyond them (activations and the step's temporaries grow with the tokens, parameters and optimizer
+state do not): two replays per layout family instead of one per micro-batch. Time is replayed for every layout.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import models
+from eval.simulator.device import DeviceModel
+from eval.simulator.memory import GiB, predict_inference_memory, predict_training_memory
+from eval.simulator.replay import build_meta, record_generation, release
+from eval.simulator.training import EXPERT_DIM, FSDP_DIM, TrainLayout, record_training
+from parallel.link import HierarchicalLink, get_link
+
+# Device memory per GPU, from the spec sheets (bytes). What fits is judged against this less `headroom_gib`.
+DEVICE_MEMORY_GIB = {"h100-sxm": 80, "h200": 141, "a100-sxm": 80, "a100-40gb": 40, "a800": 80, "a30": 24}
+ORDER = ("dp", "ep", "sp", "tp")  # parallel.init_mesh's mesh order: tp varies fastest
+
+
+def strides(degrees: dict[str, int]) -> dict[str, int]:
+    """Each dimension's rank stride in the mesh (tp 1, sp tp, ep sp x tp, dp ep x sp x tp)."""
+    out, stride = {}, 1
+    for dim in reversed(ORDER):
+        out[dim] = stride
+        stride *= degrees.get(dim, 1)
+    return out
+
+
+def links_for(layout: TrainLayout, gpus_per_node: int, intra: str, inter: str) -> dict:
+    """{dimension: link} for every mesh dimension and FSDP's groups (module docstring)."""
+    degrees, stride = layout.degrees, strides(layout.degrees)
+    intra_link, inter_link = get_link(intra), get_link(inter)
+
+    def link(size: int, step: int):
+        if size * step <= gpus_per_node:
+            return intra_link
+        per_node = max(1, gpus_per_node // step)
+        return HierarchicalLink(
+            f"{intra}+{inter}", intra_link, inter_link, ranks_per_node=per_node, nics_per_node=per_node
+        )
+
+    out = {dim: link(degrees[dim], stride[dim]) for dim in ORDER}
+    # FSDP's groups: dp x ep x sp (stride tp) for the replicated parameters, dp x sp for the experts.
+    out[FSDP_DIM] = link(layout.dp * layout.ep * layout.sp, layout.tp)
+    out[EXPERT_DIM] = link(layout.dp * layout.sp, layout.tp)
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Candidate:
+    layout: TrainLayout
+    error: str = ""  # why the architecture cannot take it (its own check), or why it does not fit
+
+
+def meshes(
+    arch: str, config, gpus: int, gpus_per_node: int, tp=None, ep=None, sp=None
+) -> tuple[list[dict], list[dict]]:
+    """(meshes the architecture takes, [{degrees, why}] it refuses): tp x ep x sp within a node, dp the rest."""
+    entry = models.get(arch)
+    dims = set(entry.degrees)
+    choices = {
+        "tp": tp or (divisors(gpus_per_node) if "tp" in dims else [1]),
+        "ep": ep or (divisors(gpus_per_node) if "ep" in dims else [1]),
+        "sp": sp or (divisors(gpus_per_node) if "sp" in dims else [1]),
+    }
+    ok, refused = [], []
+    for t in choices["tp"]:
+        for e in choices["ep"]:
+            for s in choices["sp"]:
+                inner = t * e * s
+                if inner > gpus_per_node or gpus % inner:
+                    continue
+                degrees = {"dp": gpus // inner, "ep": e, "sp": s, "tp": t}
+                try:
+                    entry.check_layout(config, {k: v for k, v in degrees.items() if k != "dp"})
+                except ValueError as err:
+                    refused.append({"degrees": degrees, "why": str(err)})
+                    continue
+                ok.append(degrees)
+    return ok, refused
+
+
+def plan_training(
+    arch: str,
+    config,
+    *,
+    gpus: int,
+    gpus_per_node: int,
+    device: DeviceModel,
+    memory_gib: float,
+    seq_len: int,
+    global_batch_tokens: int,
+    micro_batches=(1, 2, 4),
+    ac_modes=("none", "selective", "full"),
+    fsdp=(True, False),
+    intra: str = "nvlink-h100",
+    inter: str = "ib-hdr-200g",
+    tp=None,
+    ep=None,
+    sp=None,
+    log=print,
+) -> dict:
+    """Every layout predicted (module docstring): {"rows": [...] ranked, fitting first; "refused": [...]}."""
+    if gpus % gpus_per_node and gpus > gpus_per_node:
+        raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}.")
+    if global_batch_tokens % seq_len:
+        raise ValueError(f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len={seq_len}.")
+    sequences = global_batch_tokens // seq_len
+    found, refused = meshes(arch, config, gpus, gpus_per_node, tp, ep, sp)
+    rows = []
+    for degrees in found:
+        replicas = degrees["dp"] * degrees["ep"]  # ranks with sequences of their own (sp and tp share one)
+        for use_fsdp in fsdp:
+            if use_fsdp and degrees["dp"] * degrees["ep"] * degrees["sp"] == 1 and False in fsdp:
+                continue  # one replica: FSDP on and off are the same run
+            for ac in ac_modes:
+                memory = {}  # micro-batch -> TrainingMemory (replayed at 1 and 2)
+                for mb in micro_batches:
+                    if sequences % (replicas * mb):
+                        refused.append({"degrees": degrees, "why": f"{sequences} sequences per step do not split "
+                                        f"into {replicas} replicas x micro-batch {mb}"})  # fmt: skip
+                        continue
+                    layout = TrainLayout(**degrees, fsdp=use_fsdp, ac=ac, micro_batch=mb, seq_len=seq_len,
+                                         grad_accum=sequences // (replicas * mb))  # fmt: skip
+                    log(f"[plan] {layout.label()}")
+                    run = record_training(arch, config, layout)
+                    pred = run.predict(device, links_for(layout, gpus_per_node, intra, inter))
+                    peak = _peak_bytes(arch, config, layout, memory)
+                    rows.append({
+                        "label": layout.label(), "layout": asdict(layout), **degrees, "fsdp": use_fsdp, "ac": ac,
+                        "micro_batch": mb, "grad_accum": layout.grad_accum,
+                        "tokens_per_s_per_device": pred["tokens_per_s_per_device"], "mfu": pred["mfu"],
+                        "step_s": pred["step_s"], "exposed_s": pred["exposed_s"],
+                        "exposed_share": pred["exposed_s"] / pred["step_s"], "peak_gib": peak / GiB,
+                        "fits": peak <= memory_gib * GiB,
+                    })  # fmt: skip
+    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s_per_device"]))
+    return {"rows": rows, "refused": refused, "best": next((r for r in rows if r["fits"]), None)}
+
+
+def _peak_bytes(arch: str, config, layout: TrainLayout, memory: dict) -> float:
+    """Peak bytes at `layout`'s micro-batch: replayed at micro-batches 1 and 2, linear in between and beyond."""
+    from dataclasses import replace
+
+    for mb in (1, 2):
+        if mb not in memory:
+            memory[mb] = predict_training_memory(
+                arch, config, replace(layout, micro_batch=mb, grad_accum=1)
+            ).peak_bytes
+    slope = memory[2] - memory[1]
+    return memory[1] + slope * (layout.micro_batch - 1)
+
+
+def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_node: int) -> str:
+    """The `train.pretrain` command line of a planned layout: torchrun over the nodes, the model at the bench
+    shape's fields (`model.config.<field>=`), the layout, engine, AC mode and batch the plan chose."""
+    gpus = row["dp"] * row["ep"] * row["sp"] * row["tp"]
+    nodes, per_node = max(1, gpus // gpus_per_node), min(gpus, gpus_per_node)
+    fields = " ".join(f"model.config.{k}={v}" for k, v in shape.items() if k != "name")
+    return (
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} -m train.pretrain model={arch} {fields} "
+        f"parallel.dp={row['dp']} parallel.tp={row['tp']} parallel.ep={row['ep']} parallel.sp={row['sp']} "
+        f"parallel.fsdp={str(row['fsdp']).lower()} parallel.param_dtype=bfloat16 "
+        f"trainer.activation_checkpointing={row['ac']} data.batch_size={row['micro_batch']} data.seq_len={seq_len} "
+        f"trainer.accumulate_grad_batches={row['grad_accum']}"
+    )
+
+
+def plan_generation(
+    arch: str,
+    config_at,
+    *,
+    gpus_per_node: int,
+    device: DeviceModel,
+    memory_gib: float,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    latency_ms: float | None,
+    intra: str = "nvlink-h100",
+    log=print,
+) -> dict:
+    """Every tp (x ep) within a node for generation (module docstring). `config_at(degrees)`: the config there."""
+    entry = models.get(arch)
+    dims = [d for d in ("tp", "ep") if d in entry.degrees]
+    options = [
+        {d: n for d, n in zip(dims, combo, strict=True)} for combo in _products(dims, gpus_per_node)
+    ] or [{}]
+    rows, refused = [], []
+    for degrees in options:
+        label = " x ".join(f"{d}{n}" for d, n in degrees.items() if n > 1) or "1 GPU"
+        config = config_at(degrees)
+        try:
+            entry.check_layout(config, degrees)
+        except ValueError as err:
+            refused.append({"degrees": degrees, "why": str(err)})
+            continue
+        log(f"[plan] generate {label}")
+        model = build_meta(arch, config, degrees)
+        try:
+            run = record_generation(model, batch, prompt_len, new_tokens)
+        finally:
+            release()
+        pred = run.predict(device, get_link(intra))
+        memory = predict_inference_memory(arch, config, degrees, batch, prompt_len, prompt_len + new_tokens)
+        decode_ms = 1e3 * pred["decode"]["time"]
+        gpus = math.prod(degrees.values()) if degrees else 1
+        rows.append({
+            "label": label, **degrees, "gpus": gpus, "tokens_per_s": pred["tok_s"], "tokens_per_s_per_gpu": pred["tok_s"] / gpus,
+            "decode_ms": decode_ms, "prefill_ms": 1e3 * pred["prefill"]["time"], "peak_gib": memory["peak_bytes"] / GiB,
+            "fits": memory["peak_bytes"] <= memory_gib * GiB,
+            "meets_latency": latency_ms is None or decode_ms <= latency_ms,
+        })  # fmt: skip
+    rows.sort(key=lambda r: (not (r["fits"] and r["meets_latency"]), -r["tokens_per_s"]))
+    best = next((r for r in rows if r["fits"] and r["meets_latency"]), None)
+    return {"rows": rows, "refused": refused, "best": best}
+
+
+def _products(dims: list[str], limit: int):
+    if not dims:
+        return []
+    combos = [()]
+    for _ in dims:
+        combos = [c + (d,) for c in combos for d in divisors(limit)]
+    return [c for c in combos if math.prod(c) <= limit and limit % math.prod(c) == 0]
