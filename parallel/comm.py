@@ -89,8 +89,12 @@ def set_mode(mode: str, *, link="nvlink-h100", world_size: int | None = None, no
         raise ValueError(f"Unknown communication mode {mode!r}; choose one of {MODES}.")
     clock = None
     if mode == "simulated":
-        if world_size is not None and world_size < 2:
-            raise ValueError(f"Simulated mode's world_size (the P it plays rank 0 of) must be >= 2, got {world_size}.")
+        # P = 1 is the single-GPU baseline (the speed simulator's TP 1): nothing is sent, the clock is compute.
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+            raise ValueError(
+                f"Simulated mode's world_size (the P it plays rank 0 of) must be an integer >= 1 (1: one device, "
+                f"no collectives), got {world_size!r}."
+            )
         kwargs = {"now": now} if now is not None else {}
         clock = VirtualClock(get_links(link), world_size, sync=sync, **kwargs)
     # Switch only once the link is known good, so a bad preset leaves the previous mode in place.

@@ -27,6 +27,7 @@ import parallel
 from eval.bench.moe import all_to_all_columns
 from eval.bench.settings import (
     SIMULATED_DTYPE,
+    attention_program,
     compute_of,
     cpu_threads,
     degrees_label,
@@ -110,8 +111,9 @@ def run_device_model(
 ) -> list[dict]:
     """Simulated-link and upper-bound rows of `archs` at `degrees` predicted by the device model: each
     architecture built on the meta device (bfloat16) and sharded on a fake mesh (`eval.simulator.replay.build_meta`,
-    which brings the mesh up; `release` takes it down), its generation recorded once per batch size and
-    replayed on every link preset (`upper_bound`: free communication). The rows go through the same
+    which brings the mesh up; `release` takes it down), its generation recorded once per batch size (attention
+    charged as `attention_program`) and replayed on every link preset (`upper_bound`: free communication). At a
+    point of one rank (tp=1) the model is unsharded and sends nothing: the single-GPU baseline. The rows go through the same
     `summarize` / `_rows` as measured ones, one run each (min = max = median). An architecture whose forward
     needs values the meta device does not have (a data-dependent op such as boolean-mask indexing) is not
     predicted: a note for it goes to `skipped` (any other error is raised)."""
@@ -122,7 +124,8 @@ def run_device_model(
             model = build_meta(arch, model_config(cfg, arch, degrees), degrees, dtype)
             recorded = {
                 batch: record_generation(
-                    model, batch, cfg["prompt_len"], cfg["new_tokens"], bool(cfg.get("static_cache", True))
+                    model, batch, cfg["prompt_len"], cfg["new_tokens"], bool(cfg.get("static_cache", True)),
+                    attention_program=attention_program(cfg),
                 )
                 for batch in cfg["batch_sizes"]
             }

@@ -1,7 +1,9 @@
 """What the generation section's rows mean and how they are shown: speed-ups, hidden fractions, tables, plots, notes.
 
 `add_comparisons` adds to each row the speed-up over the baseline architecture and the hidden fraction
-(T_base - T_arch) / (T_base - T_upper_bound) (eval.report.hidden_fraction); the tables' columns, the plots of
+(T_base - T_arch) / (T_base - T_upper_bound) (eval.report.hidden_fraction), and, where a device preset predicts a
+point of one rank (tp=1: the baseline unsharded, no collectives), the speed-up over that single GPU; the tables'
+columns, the plots of
 speed-up and hidden fraction vs batch and degree, the notes on what the rows can and cannot claim and the
 section's introduction follow. Nothing here knows an architecture: archs are names in the rows.
 """
@@ -9,7 +11,7 @@ section's introduction follow. Nothing here knows an architecture: archs are nam
 from pathlib import Path
 
 from eval import report
-from eval.bench.settings import degree_points, degrees_key, degrees_label, ranks
+from eval.bench.settings import attention_program, degree_points, degrees_key, degrees_label, ranks
 from eval.report import hidden_fraction
 
 UPPER_BOUND_OF = {"simulated": "upper_bound", "real": "upper_bound_real"}
@@ -45,6 +47,14 @@ def add_comparisons(rows: list[dict], baseline: str, min_comm_fraction: float) -
         # does not depend on compute-time noise between architectures.
         if r.get("decode_exposed_ms") is not None and base.get("decode_exposed_ms"):
             r["exposed_hidden_fraction_decode"] = 1 - r["decode_exposed_ms"] / base["decode_exposed_ms"]
+    # With a device preset, a point of one rank (tp=1, ep=1) is the single-GPU baseline: the baseline arch
+    # unsharded, no collectives (the same prediction in every variant). Every row's speed-up over it.
+    single = {(r["batch"], r.get("program", "eager")): r for r in rows
+              if r["arch"] == baseline and ranks(r["degrees"]) == 1 and not r["variant"].startswith("real")}  # fmt: skip
+    for r in rows:
+        one = single.get((r["batch"], r.get("program", "eager")))
+        r["speedup_prefill_vs_one_gpu"] = one["prefill_ms"] / r["prefill_ms"] if one else None
+        r["speedup_decode_vs_one_gpu"] = r["decode_tok_s"] / one["decode_tok_s"] if one else None
     # MoE: the token all-to-all time exposed per layer against the baseline's (both from the virtual clock).
     # Against `moe` this mixes the schedule with the bytes sent (ScMoE routes top-1, moe top-2).
     for r in rows:
@@ -74,6 +84,11 @@ TABLE_COLUMNS = [
     ("decode_comm_calls", "calls/step"),
     ("decode_comm_bytes", "bytes/step"),
     ("prefill_comm_bytes", "bytes/prefill"),
+]
+# Shown where the run has a single-GPU point (tp=1 with a device preset): speed-ups over the baseline on one GPU.
+ONE_GPU_COLUMNS = [
+    ("speedup_decode_vs_one_gpu", "decode speed-up vs 1 GPU"),
+    ("speedup_prefill_vs_one_gpu", "prefill speed-up vs 1 GPU"),
 ]
 SIMULATED_COLUMNS = [
     ("decode_exposed_ms", "exposed ms/step"),
@@ -185,13 +200,15 @@ def device_model_note(cfg: dict) -> str:
         f"Simulated and upper-bound rows are the device model's prediction for {compute}, not timings: each aten op "
         f"of the model's own forward (built on the meta device in bfloat16, rank 0's shards) is charged to {compute}'s "
         f"roofline, max(FLOPs / (peak x {dm.get('eff_flops')}), bytes / (HBM x {dm.get('eff_hbm')})) + "
-        f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused), contention {dm.get('contention')} "
+        f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused; attention as the "
+        f"`{attention_program(cfg)}` program, eval.simulator.device.ATTENTION_PROGRAMS), contention {dm.get('contention')} "
         f"(latency-bound link time) to {dm.get('contention_bw', dm.get('contention'))} (bandwidth-bound) "
         "(eval.costmodel's constants, settings `device_model`), and the link model's collectives are placed where "
         "forward() issues and waits them. Prefill is one recorded forward; a decode step is one recorded step with "
         f"the cache filled to the middle of the generation ({cache}), times the decode steps. Nothing is timed on "
         "this machine: the rows are deterministic (min = max = median, no warm-up or repeats) and any shape runs. "
-        "The upper bound is the same prediction with free communication. The real variant is not run with a "
+        "The upper bound is the same prediction with free communication. A point of one rank (tp=1) is the "
+        "single-GPU baseline: the model unsharded, nothing sent. The real variant is not run with a "
         "device preset (it measures this machine)."
     )
 
@@ -274,7 +291,8 @@ def generation_intro(results: dict, points: str) -> list[str]:
             f"{d['hbm_Bps'] / 1e12:.2f} TB/s HBM; eff_flops {compute['eff_flops']}, eff_hbm {compute['eff_hbm']}, "
             f"{compute['kernel_overhead_us']:.3g} us per kernel, contention {compute['contention']} to "
             f"{compute.get('contention_bw', compute['contention'])} bandwidth-bound), dtype "
-            f"{compute['dtype']}, {'static' if compute['static_cache'] else 'growing'} KV cache: one deterministic "
+            f"{compute['dtype']}, {'static' if compute['static_cache'] else 'growing'} KV cache, attention charged as "
+            f"`{compute.get('attention_program', 'flash')}`: one deterministic "
             "prediction per row."
         )
         machine = f"Predicted on: {hw['cpu']} ({hw['cpu_cores']} CPU cores, load average "

@@ -5,6 +5,7 @@ from pathlib import Path
 from eval import report
 from eval.bench.decode_paths_report import DECODE_PATH_PLOTS, decode_paths_section, plot_decode_paths
 from eval.bench.generation_report import (
+    ONE_GPU_COLUMNS,
     SIMULATED_COLUMNS,
     TABLE_COLUMNS,
     display_rows,
@@ -45,6 +46,8 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     for v in dict.fromkeys(variant_key(r) for r in rows):
         sel = [r for r in rows if variant_key(r) == v]
         cols = TABLE_COLUMNS + (SIMULATED_COLUMNS if v.startswith("simulated") else [])
+        if any(r.get("speedup_decode_vs_one_gpu") is not None for r in sel):
+            cols = cols + ONE_GPU_COLUMNS
         lines += [f"## {v}", "", report.write_markdown_table(display_rows(sel), cols)]
     lines += moe_sections(results, images)
     lines += sp_section(results, images)

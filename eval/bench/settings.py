@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import models
-from eval.simulator.device import DEVICES, DeviceModel
+from eval.simulator.device import ATTENTION_PROGRAMS, DEVICES, DeviceModel
 from parallel.link import LINK_PRESETS
 from parallel.mesh import DIM_ORDER
 
@@ -59,6 +59,17 @@ def check_compute(cfg: dict) -> None:
         )
     if compute != "measured":
         device_model(cfg)  # constants out of range fail here, before anything runs
+        attention_program(cfg)
+
+
+def attention_program(cfg: dict) -> str:
+    """How the device model charges attention (`attention_program`, with a device preset: flash by default;
+    gqa_expand or math as the Ladder reference runs it, eval.simulator.device.ATTENTION_PROGRAMS). Not a key of
+    conf/bench.yaml: give it as `+attention_program=math`."""
+    program = cfg.get("attention_program") or "flash"
+    if program not in ATTENTION_PROGRAMS:
+        raise ValueError(f"attention_program={program!r}; choose one of {list(ATTENTION_PROGRAMS)}.")
+    return program
 
 
 def device_model(cfg: dict) -> DeviceModel:
@@ -82,6 +93,7 @@ def compute_info(cfg: dict) -> dict:
         "contention_bw": dm.contention if dm.contention_bw is None else dm.contention_bw,
         "dtype": str(SIMULATED_DTYPE).removeprefix("torch."),
         "static_cache": bool(cfg.get("static_cache", True)),
+        "attention_program": attention_program(cfg),
     }  # fmt: skip
 
 
@@ -152,13 +164,24 @@ def link_of(link, dim: str) -> str | None:
     return link.get(dim) if isinstance(link, dict) else link
 
 
-def _check_degree_list(values, name: str) -> None:
+def _check_degree_list(values, name: str, cfg: dict) -> None:
+    """Degrees >= 2 when compute is measured (rank 0 of P >= 2 is what is timed here); with a device preset
+    degree 1 too: the single-GPU baseline, the model unsharded, no collectives (a speed-up over one GPU)."""
+    least = 1 if predicted(cfg) else 2
     for p in values or ():
-        if isinstance(p, bool) or not isinstance(p, int) or p < 2:
-            raise ValueError(f"{name} degree {p!r} in the bench must be an integer >= 2 (degree 1 has no communication).")
+        if isinstance(p, bool) or not isinstance(p, int) or p < least:
+            if least == 1:
+                raise ValueError(f"{name} degree {p!r} must be a positive integer (1: the single-GPU baseline).")
+            raise ValueError(
+                f"{name} degree {p!r} in the bench must be an integer >= 2 with compute=measured (degree 1 has no "
+                "communication to measure here); the single-GPU baseline (degree 1) is predicted with compute=<a "
+                f"device preset>, one of {sorted(DEVICES)}."
+            )
 
 
-def _check_points(points: list[dict[str, int]], what: str) -> None:
+def _check_points(points: list[dict[str, int]], what: str, single_ok: bool = False) -> None:
+    """Each point names mesh dimensions with positive degrees; one rank in all only where `single_ok` (a device
+    preset's single-GPU baseline)."""
     for d in points:
         bad = [k for k in d if k not in DIM_ORDER]
         if bad:
@@ -166,8 +189,11 @@ def _check_points(points: list[dict[str, int]], what: str) -> None:
         for k, p in d.items():
             if isinstance(p, bool) or not isinstance(p, int) or p < 1:
                 raise ValueError(f"{what} point {d}: {k}={p!r} must be a positive integer.")
-        if ranks(d) < 2:
-            raise ValueError(f"{what} point {d} has one rank, so no communication to measure; give a degree >= 2.")
+        if ranks(d) < 2 and not single_ok:
+            raise ValueError(
+                f"{what} point {d} has one rank, so no communication to measure; give a degree >= 2 (one rank, the "
+                f"single-GPU baseline, is predicted with compute=<a device preset>, one of {sorted(DEVICES)})."
+            )
 
 
 def check_generation_settings(cfg: dict) -> dict:
@@ -175,10 +201,10 @@ def check_generation_settings(cfg: dict) -> dict:
     architecture cannot be built at the shape (the sections' own checks: their modules). Returns `cfg` with
     its real degrees resolved (`resolve_real`)."""
     check_compute(cfg)
-    _check_degree_list(cfg["tp"], "TP")
-    _check_degree_list(cfg.get("ep"), "EP")
+    _check_degree_list(cfg["tp"], "TP", cfg)
+    _check_degree_list(cfg.get("ep"), "EP", cfg)
     points = bench_points(cfg)
-    _check_points(points, "degrees")
+    _check_points(points, "degrees", single_ok=predicted(cfg))
     sp_enabled = (cfg.get("sequence_parallel") or {}).get("enabled")
     if not points and not sp_enabled:
         raise ValueError(
@@ -186,8 +212,9 @@ def check_generation_settings(cfg: dict) -> dict:
             "sequence_parallel section (bench_preset=sp)."
         )
     cfg = resolve_real(cfg, resolve_device(cfg)[0].type)
-    _check_degree_list(cfg["real"]["tp"], "real TP")
-    _check_degree_list(cfg["real"].get("ep"), "real EP")
+    if cfg["real"]["enabled"]:  # off with a device preset (resolve_real), whose points may be degree 1
+        _check_degree_list(cfg["real"]["tp"], "real TP", {**cfg, "compute": "measured"})
+        _check_degree_list(cfg["real"].get("ep"), "real EP", {**cfg, "compute": "measured"})
     reals = real_points(cfg)
     _check_points(reals, "real")
     for name in cfg.get("config_overrides") or {}:

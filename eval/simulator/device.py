@@ -25,12 +25,23 @@ One op's time on a device (roofline, plus a fixed cost per kernel):
   which fuses chains of elementwise ops into the kernels around them; elementwise ops (aten's `pointwise`
   tag) cost nothing, everything else (matmuls, attention, reductions such as a norm's mean, copies,
   concatenations, gathers) is one kernel.
-- Attention: `F.scaled_dot_product_attention` is one fused kernel (flash attention: reads Q, K, V once,
-  writes the output; FLOPs 4 B H Tq Tk d, half of the Tq x Tk square when causal), not the math
-  decomposition the meta device would otherwise run (which materialises the scores and a GQA copy).
-  With grouped KV heads the kernel reads each KV head once (`enable_gqa`); `gqa_expand=True` charges instead
-  what an implementation that repeats K and V to every query head first does (gpt-fast, the Ladder paper's
-  benchmark): one more kernel writing the expanded copy, which attention then reads.
+- Attention: `F.scaled_dot_product_attention` is charged as the program a GPU runs for it, an explicit
+  choice of the recording (`attention_program`, ATTENTION_PROGRAMS), not the math decomposition the meta
+  device happens to run: `flash` (the default) is one fused kernel (reads Q, K, V once, writes the output;
+  FLOPs 4 B H Tq Tk d, half of the Tq x Tk square when causal; with grouped KV heads each KV head is read
+  once, `enable_gqa`); `gqa_expand` (the old `gqa_expand=True`, what the committed Ladder fit uses) repeats
+  K and V to every query head first, one more kernel writing the copy that attention then reads; `math` is
+  what gpt-fast's decode on a static cache runs as written: two repeat_interleave copies, Q K^T writing the
+  scores [B, H, Tq, max_len] to HBM, the mask and softmax over them, P V reading the repeated V
+  (`math_attention_charges`: each kernel's bytes; the full square, nothing skipped).
+- Small, launch-bound steps (a decode step, a prefill at batch 1 on a short prompt): every kernel pays
+  `kernel_overhead_s` on top of its roofline time, whatever its size, so a step of N kernels costs at least
+  N x kernel_overhead_s. Not modelled: wave quantisation (a matmul whose 128 x 128 output tiles are fewer
+  than the GPU's SMs, or not a whole number of waves, runs on part of the chip and cannot reach `eff_flops`
+  of its peak), tensor-core tile padding of small dimensions, L2 reuse (an operand read twice is charged
+  twice), and a kernel's own latency beyond the fixed overhead (a small reduction's tail). A memory-bound
+  small matmul (decode's weight reads) is charged its bytes, which wave quantisation would not change much;
+  a small compute-bound one (a short prompt's prefill) is charged as if the whole chip ran it.
 """
 
 from contextlib import contextmanager
@@ -202,10 +213,12 @@ class DeviceClock(TorchDispatchMode):
     each op under a `DeviceModel`: a mark m recorded during the run is at time `times(model)[m]`.
     """
 
-    def __init__(self, fuse_pointwise: bool = True, gqa_expand: bool = False):
+    def __init__(self, fuse_pointwise: bool = True, gqa_expand: bool = False, attention_program: str | None = None):
         super().__init__()
         self.fuse_pointwise = fuse_pointwise
-        self.gqa_expand = gqa_expand
+        self.attention_program = attention_program_of(gqa_expand, attention_program)
+        # Read by eval.simulator.kernels.flash_attention (training replays: flash or gqa_expand only).
+        self.gqa_expand = self.attention_program == "gqa_expand"
         self.flops: list[float] = []
         self.bytes: list[float] = []
         self.kernel: list[bool] = []
@@ -288,9 +301,37 @@ class DeviceClock(TorchDispatchMode):
         return np.concatenate([[0.0], np.cumsum(per_op)]).tolist()
 
 
-def attention_charges(q, k, v, kwargs: dict, gqa_expand: bool = False) -> list[tuple[str, float, float]]:
+# How `F.scaled_dot_product_attention` is charged: the program a GPU runs for it, an explicit choice of the
+# recording (`DeviceClock(attention_program=...)`, `record_generation(attention_program=...)`), never fitted.
+ATTENTION_PROGRAMS = {
+    "flash": "flash attention: one fused kernel reading each KV head once (enable_gqa), scores never in HBM",
+    "gqa_expand": "K and V repeated to every query head by one kernel, then the fused kernel over the copy",
+    "math": "the math decomposition over a repeated K / V under a mask (gpt-fast's static-cache program as "
+            "written): two repeat_interleave copies, Q K^T writing the scores [B, H, Tq, Tk] to HBM, the mask "
+            "and softmax over them, P V",
+}  # fmt: skip
+
+
+def attention_program_of(gqa_expand: bool = False, program: str | None = None) -> str:
+    """The attention program a recording charges: `program` if given, else `gqa_expand` or `flash` (the old flag,
+    kept for the committed Ladder fit, conf/costmodel.yaml)."""
+    if program is None:
+        return "gqa_expand" if gqa_expand else "flash"
+    if program not in ATTENTION_PROGRAMS:
+        raise ValueError(f"attention_program={program!r}; choose one of {list(ATTENTION_PROGRAMS)}.")
+    if gqa_expand and program != "gqa_expand":
+        raise ValueError(f"gqa_expand=True and attention_program={program!r} disagree; give one of them.")
+    return program
+
+
+def attention_charges(
+    q, k, v, kwargs: dict, gqa_expand: bool = False, *, program: str | None = None, fuse_pointwise: bool = True
+) -> list[tuple[str, float, float]]:
     """`F.scaled_dot_product_attention(q, k, v, **kwargs)` as the kernels a GPU runs (module docstring), each
-    (name, FLOPs, HBM bytes): flash attention's one fused kernel, after the K / V repeat with `gqa_expand`."""
+    (name, FLOPs, HBM bytes), under `program` (ATTENTION_PROGRAMS; None: `gqa_expand` or `flash`)."""
+    program = attention_program_of(gqa_expand, program)
+    if program == "math":
+        return math_attention_charges(q, k, v, kwargs, fuse_pointwise)
     b, h, tq, d = q.shape
     tk = k.shape[-2]
     flops = 4 * b * h * tq * tk * d
@@ -299,7 +340,7 @@ def attention_charges(q, k, v, kwargs: dict, gqa_expand: bool = False) -> list[t
     mask = kwargs.get("attn_mask")
     kv_bytes = tensor_bytes(k) + tensor_bytes(v)
     out = []
-    if gqa_expand and k.shape[-3] < h:
+    if program == "gqa_expand" and k.shape[-3] < h:
         expanded = kv_bytes * h // k.shape[-3]  # K and V repeated to every query head
         out.append(("repeat_kv", 0, kv_bytes + expanded))
         kv_bytes = expanded
@@ -307,6 +348,46 @@ def attention_charges(q, k, v, kwargs: dict, gqa_expand: bool = False) -> list[t
     if isinstance(mask, torch.Tensor):
         nbytes += tensor_bytes(mask)
     out.append(("scaled_dot_product_attention", flops, nbytes))
+    return out
+
+
+def math_attention_charges(q, k, v, kwargs: dict, fuse_pointwise: bool = True) -> list[tuple[str, float, float]]:
+    """The math program's kernels (ATTENTION_PROGRAMS["math"]), from the bytes each one moves, in the input dtype:
+
+    1. `repeat_interleave` of K, then of V, to every query head (with grouped KV heads): read once, written
+       H / H_kv times;
+    2. Q K^T: 2 B H Tq Tk d FLOPs, reading Q and the repeated K, writing the scores [B, H, Tq, Tk];
+    3. the mask added to the scores and the softmax: elementwise into the softmax's one pass when pointwise ops
+       are fused (a compiled program: reads the scores and the mask, writes the probabilities), else the add is
+       a kernel of its own (scores and mask read, scores written); a causal call without a mask reads a
+       [Tq, Tk] boolean one (the math decomposition builds it); the scale (Q and K times sqrt(scale)) is
+       elementwise too, fused, or a pass over Q and K unfused;
+    4. P V: 2 B H Tq Tk d_v FLOPs, reading the probabilities and the repeated V, writing the output.
+
+    Nothing above the causal diagonal is skipped: the scores are materialised in full."""
+    b, h, tq, d = q.shape
+    hkv, tk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    e = q.element_size()
+    k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
+    out = []
+    if hkv < h:
+        out.append(("attention_math:repeat_interleave_k", 0, k_bytes + k_bytes * h // hkv))
+        out.append(("attention_math:repeat_interleave_v", 0, v_bytes + v_bytes * h // hkv))
+        k_bytes, v_bytes = k_bytes * h // hkv, v_bytes * h // hkv
+    if not fuse_pointwise:
+        out.append(("attention_math:scale", 0, 2 * (tensor_bytes(q) + k_bytes)))
+    scores = b * h * tq * tk * e
+    out.append(("attention_math:qk", 2 * b * h * tq * tk * d, tensor_bytes(q) + k_bytes + scores))
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor):
+        mask_bytes = tensor_bytes(mask)
+    else:
+        mask_bytes = tq * tk if kwargs.get("is_causal") and tq > 1 else 0
+    if mask_bytes and not fuse_pointwise:
+        out.append(("attention_math:mask_add", 0, 2 * scores + mask_bytes))
+        mask_bytes = 0
+    out.append(("attention_math:softmax", 0, 2 * scores + mask_bytes))
+    out.append(("attention_math:pv", 2 * b * h * tq * tk * dv, scores + v_bytes + b * h * tq * dv * e))
     return out
 
 
@@ -319,7 +400,8 @@ def sdpa_keywords(args: tuple, kwargs: dict) -> tuple:
 
 
 class _FusedAttention(TorchFunctionMode):
-    """Charges `F.scaled_dot_product_attention` as one flash-attention kernel and runs it quietly."""
+    """Charges `F.scaled_dot_product_attention` as the clock's attention program's kernels (one flash-attention
+    kernel by default) and runs it quietly."""
 
     def __init__(self, clock: DeviceClock):
         super().__init__()
@@ -329,7 +411,10 @@ class _FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        for charge in attention_charges(*sdpa_keywords(args, kwargs), gqa_expand=self.clock.gqa_expand):
+        charges = attention_charges(
+            *sdpa_keywords(args, kwargs), program=self.clock.attention_program, fuse_pointwise=self.clock.fuse_pointwise
+        )
+        for charge in charges:
             self.clock.charge(*charge)
         with self.clock.quiet():
             return func(*args, **kwargs)

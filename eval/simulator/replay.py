@@ -21,6 +21,11 @@ buffers of prompt + new tokens, rounded up to 8, that attention reads in full un
 the fill level on the device: the reference's, and the real bench's compiled path's), or with
 `static_cache=False` its growing one. The decode step is recorded with the cache filled to the middle of the
 generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
+
+Attention is charged as the program the recording names (`attention_program`: flash attention by default; the
+reference's repeated K / V, `gqa_expand`; or the math decomposition over it, `math`, the scores in HBM):
+eval.simulator.device.ATTENTION_PROGRAMS. A model built at degree 1 (`build_meta(arch, config, {"tp": 1})`) is
+the single-GPU baseline: unsharded, no collective sent, its time its compute (a speed-up over one GPU).
 """
 
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ from transformers.cache_utils import Cache
 
 import models
 import parallel
-from eval.simulator.device import DeviceClock, DeviceModel
+from eval.simulator.device import DeviceClock, DeviceModel, attention_program_of
 from parallel import comm
 from parallel.link import (
     ClockRecorder,
@@ -144,8 +149,8 @@ class Recording:
         return out
 
 
-def _record(model, run, world_size: int, gqa_expand: bool) -> Phase:
-    clock = DeviceClock(gqa_expand=gqa_expand)
+def _record(model, run, world_size: int, attention_program: str) -> Phase:
+    clock = DeviceClock(attention_program=attention_program)
     comm.reset_counters()
     with comm.use_mode("simulated", link="nvlink-h100", world_size=world_size, now=clock.mark) as vclock:
         recorder = ClockRecorder(vclock)
@@ -159,14 +164,18 @@ def _record(model, run, world_size: int, gqa_expand: bool) -> Phase:
 @torch.no_grad()
 def record_generation(
     model, batch: int, prompt_len: int, new_tokens: int, static_cache: bool = True, gqa_expand: bool = False,
-    prefill_logits: int = 1,
+    prefill_logits: int = 1, attention_program: str | None = None,
 ) -> Recording:
     """Record the prefill of a `prompt_len` prompt and one decode step at the middle of `new_tokens`.
-    `gqa_expand`: attention charged as repeating K and V to every query head first (eval.simulator.device).
+    `attention_program`: how attention is charged (eval.simulator.device.ATTENTION_PROGRAMS: `flash`,
+    `gqa_expand`, `math`); None: `gqa_expand` if `gqa_expand` (the older flag: K and V repeated to every query
+    head first), else `flash`. Unsharded (no process group, or one of one rank: TP 1) is the single-GPU
+    baseline: nothing is sent, the time is the compute.
     `prefill_logits`: the prompt positions the prefill computes logits for (the last one; 0 = every position,
     as gpt-fast's prefill does, `model(x, input_pos)` through the full lm_head)."""
     if prompt_len < 1 or new_tokens < 1 or batch < 1:
         raise ValueError(f"batch={batch}, prompt_len={prompt_len}, new_tokens={new_tokens} must all be >= 1.")
+    program = attention_program_of(gqa_expand, attention_program)
     world = dist.get_world_size() if dist.is_initialized() else 1
     max_len = -(-(prompt_len + new_tokens) // 8) * 8
     device = next(model.parameters()).device
@@ -188,5 +197,5 @@ def record_generation(
         out = model(token, cache=cache, use_cache=True)
         out.logits[:, -1].argmax(-1, keepdim=True)
 
-    phases = {"prefill": _record(model, prefill, world, gqa_expand), "decode": _record(model, decode, world, gqa_expand)}
+    phases = {"prefill": _record(model, prefill, world, program), "decode": _record(model, decode, world, program)}
     return Recording(batch, prompt_len, new_tokens, phases)

@@ -1,0 +1,190 @@
+"""The speed simulator outside the fitted regime, from first principles: TP 1 (the single-GPU baseline: the model
+unsharded, nothing sent), attention charged as the program a recording names (flash, gqa_expand, math: the scores
+in HBM), and a small prefill paying the per-kernel overhead of every kernel. Nothing here is fitted."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+from eval.bench import check_settings
+from eval.simulator.device import (
+    ATTENTION_PROGRAMS,
+    DeviceClock,
+    DeviceModel,
+    DevicePreset,
+    attention_charges,
+    get_device,
+)
+from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
+from parallel import comm
+from tests.benchkit import bench_settings, run_predicted
+from tests.test_simulate import SHAPE
+
+# Compute-bound only: HBM and launches free, 1e12 FLOP/s. A step's time is its FLOPs / 1e12.
+FLOPS_ONLY = DeviceModel(DevicePreset("flops-only", 1e12, 1e30), eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
+# The committed constants (conf/bench.yaml device_model, eval.costmodel's fit) on an H100.
+H100 = DeviceModel.from_config(
+    "h100-sxm", eff_flops=0.385, eff_hbm=1.0, kernel_overhead_us=2.29, contention=0.24, contention_bw=0.71
+)
+BATCH, PROMPT, NEW = 2, 32, 16
+
+
+def _record(arch: str, tp: int, batch: int = BATCH, prompt_len: int = PROMPT, **kwargs):
+    degrees = {"tp": tp}
+    model = build_meta(arch, models.get(arch).bench_config(SHAPE, degrees), degrees)
+    try:
+        return record_generation(model, batch, prompt_len=prompt_len, new_tokens=NEW, **kwargs)
+    finally:
+        release()
+
+
+# --- TP 1: the single-GPU baseline ------------------------------------------------------------------------------
+
+
+def test_the_simulated_mode_plays_one_rank_and_refuses_none():
+    with comm.use_mode("simulated", link="pcie4", world_size=1) as clock:
+        assert clock.world_size == 1
+    before = comm.get_mode()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=rf"world_size .* must be an integer >= 1 .*got {bad!r}"):
+            comm.set_mode("simulated", world_size=bad)
+    assert comm.get_mode() == before  # a refused setting leaves the mode as it was
+
+
+@pytest.mark.parametrize("arch", ["llama", "ladder"])
+def test_tp1_is_tp2_with_free_collectives_times_the_per_rank_compute_ratio(arch):
+    one, two = _record(arch, 1), _record(arch, 2)
+    for phase in ("prefill", "decode"):
+        # Nothing is sent at TP 1: any link gives the compute alone, the upper bound's time.
+        assert one.phases[phase].counts == {} and two.phases[phase].counts["all_reduce"]["calls"] > 0
+        on_link, free = one.predict(H100, "pcie4")[phase], one.predict(H100, NO_COMM)[phase]
+        assert on_link["time"] == free["time"] == free["compute"] and on_link["busy"] == on_link["exposed"] == 0
+        # The same program: every kernel of TP 2's rank is run at TP 1 (a collective is no kernel of the clock's).
+        kernels = [[n for n, k in zip(r.phases[phase].clock.names, r.phases[phase].clock.kernel, strict=True) if k]
+                   for r in (one, two)]  # fmt: skip
+        assert kernels[0] == kernels[1]
+    # Compute-bound, the ratio is the FLOPs': every sharded matmul and attention head twice TP 2's rank's, the
+    # LM head (replicated: rows x hidden x vocab, the last position's logits) once.
+    lm_head = 2 * BATCH * SHAPE["hidden_size"] * SHAPE["vocab_size"]
+    for phase in ("prefill", "decode"):
+        t1 = one.predict(FLOPS_ONLY, "pcie4")[phase]["time"]
+        t2 = two.predict(FLOPS_ONLY, NO_COMM)[phase]["time"]
+        assert t1 == pytest.approx(2 * t2 - lm_head / 1e12, rel=1e-12)
+    # With the committed constants: more compute than one TP-2 rank's, less than twice it (launches, replicated ops).
+    for phase in ("prefill", "decode"):
+        c1, c2 = one.predict(H100, NO_COMM)[phase]["compute"], two.predict(H100, NO_COMM)[phase]["compute"]
+        assert c2 < c1 < 2 * c2
+
+
+def test_the_bench_predicts_tp1_and_the_speed_up_over_one_gpu(tmp_path):
+    results = run_predicted(
+        tmp_path, "archs=[llama,ladder]", "tp=[1,2]", "batch_sizes=[1]", "simulated.links=[nvlink-h100]"
+    )
+    by = {(r["arch"], r["degrees"]["tp"], r["variant"]): r for r in results["rows"]}
+    single = by[("llama", 1, "upper_bound")]
+    for arch in ("llama", "ladder"):
+        one = by[(arch, 1, "simulated")]
+        assert one["decode_comm_calls"] == 0 and one["decode_tok_s"] == pytest.approx(by[(arch, 1, "upper_bound")]["decode_tok_s"])
+        for variant in ("simulated", "upper_bound"):
+            r = by[(arch, 2, variant)]
+            assert r["speedup_decode_vs_one_gpu"] == pytest.approx(r["decode_tok_s"] / single["decode_tok_s"])
+            assert r["speedup_prefill_vs_one_gpu"] == pytest.approx(single["prefill_ms"] / r["prefill_ms"])
+    assert by[("llama", 1, "simulated")]["speedup_decode_vs_one_gpu"] == 1.0
+    # Ladder hides the all-reduces: closer to the TP-2 upper bound's speed-up over one GPU than llama.
+    assert by[("llama", 2, "simulated")]["speedup_decode_vs_one_gpu"] < by[("ladder", 2, "simulated")]["speedup_decode_vs_one_gpu"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "decode speed-up vs 1 GPU" in readme and "| llama | tp=1 | 1 |" in readme
+    assert "single-GPU baseline" in results["notes"][0]
+
+
+def test_degree_1_is_refused_by_the_measured_bench_with_what_fits():
+    with pytest.raises(ValueError, match=r"TP degree 1 in the bench must be an integer >= 2 with compute=measured .* "
+                                         r"predicted with compute=<a device preset>, one of \['a100-40gb'"):  # fmt: skip
+        check_settings(bench_settings("tp=[1]"))
+    with pytest.raises(ValueError, match=r"degrees point \{'tp': 1\} has one rank.* compute=<a device preset>"):
+        check_settings(bench_settings("tp=[]", "degrees=[{tp: 1}]"))
+    with pytest.raises(ValueError, match=r"TP degree 0 must be a positive integer \(1: the single-GPU baseline\)"):
+        check_settings(bench_settings("compute=h100-sxm", "tp=[0]"))
+    archs_at, _ = check_settings(bench_settings("compute=h100-sxm", "tp=[1,2]", "ep=[1]"))
+    assert (("tp", 1),) in archs_at and (("ep", 1),) in archs_at
+
+
+# --- attention programs -----------------------------------------------------------------------------------------
+
+
+def _qkv(tq=1, tk=48):
+    q = torch.empty(2, 8, tq, 32, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(2, 2, tk, 32, device="meta", dtype=torch.bfloat16)
+    mask = torch.empty(2, 1, tq, tk, device="meta", dtype=torch.bool)
+    return q, kv, mask
+
+
+def test_math_attention_is_charged_every_kernel_it_launches():
+    q, kv, mask = _qkv()
+    with DeviceClock(attention_program="math") as clock:
+        F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+    names = [n.removeprefix("attention_math:") for n in clock.names]
+    assert names == ["repeat_interleave_k", "repeat_interleave_v", "qk", "softmax", "pv"]
+    kv_b, rep_b, q_b = 2 * kv.numel(), 2 * kv.numel() * 4, 2 * q.numel()  # bf16; 8 query heads over 2 KV heads
+    scores = 2 * 8 * 1 * 48 * 2  # [B, H, 1, Tk] in bf16
+    assert clock.bytes == [kv_b + rep_b, kv_b + rep_b, q_b + rep_b + scores, 2 * scores + mask.numel(), scores + rep_b + q_b]
+    assert clock.flops == [0, 0, 2 * 2 * 8 * 48 * 32, 0, 2 * 2 * 8 * 48 * 32]
+    # Unfused (an eager program): the scale and the mask add are kernels of their own.
+    with DeviceClock(fuse_pointwise=False, attention_program="math") as eager:
+        F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+    assert [n.removeprefix("attention_math:") for n in eager.names] == [
+        "repeat_interleave_k", "repeat_interleave_v", "scale", "qk", "mask_add", "softmax", "pv",
+    ]  # fmt: skip
+    # Causal prefill: the full square is computed (flash skips half), a [Tq, Tk] boolean mask read.
+    q, kv, _ = _qkv(tq=16, tk=16)
+    math, flash = (attention_charges(q, kv, kv, {"is_causal": True}, program=p) for p in ("math", "flash"))
+    assert sum(c[1] for c in math) == 2 * sum(c[1] for c in flash)
+    assert dict((n, b) for n, _, b in math)["attention_math:softmax"] == 2 * (2 * 8 * 16 * 16 * 2) + 16 * 16
+
+
+def test_gqa_expand_is_kept_and_programs_are_named_or_a_clear_error():
+    q, kv, mask = _qkv()
+    old = attention_charges(q, kv, kv, {"attn_mask": mask}, True)  # eval.simulator.kernels' call, positional flag
+    assert old == attention_charges(q, kv, kv, {"attn_mask": mask}, program="gqa_expand")
+    assert [n for n, _, _ in old] == ["repeat_kv", "scaled_dot_product_attention"]
+    assert DeviceClock(gqa_expand=True).attention_program == "gqa_expand" and DeviceClock().attention_program == "flash"
+    assert not DeviceClock(attention_program="math").gqa_expand  # kernels.flash_attention's training charge: flash
+    with pytest.raises(ValueError, match=r"attention_program='sdpa'; choose one of \['flash', 'gqa_expand', 'math'\]"):
+        DeviceClock(attention_program="sdpa")
+    with pytest.raises(ValueError, match=r"gqa_expand=True and attention_program='math' disagree"):
+        record_generation(None, 1, 1, 1, gqa_expand=True, attention_program="math")
+    with pytest.raises(ValueError, match=r"attention_program='mat'; choose one of"):
+        check_settings(bench_settings("compute=h100-sxm", "+attention_program=mat"))
+    assert set(ATTENTION_PROGRAMS) == {"flash", "gqa_expand", "math"}
+
+
+def test_decode_on_a_static_cache_reads_more_under_each_program():
+    steps = {p: _record("llama", 1, attention_program=p) for p in ATTENTION_PROGRAMS}
+    max_len = -(-(PROMPT + NEW) // 8) * 8
+    heads, d = SHAPE["num_attention_heads"], SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    clock = steps["math"].phases["decode"].clock
+    qk = [b for n, b in zip(clock.names, clock.bytes, strict=True) if n == "attention_math:qk"]
+    # One per layer, over the whole static buffer (max_len, not the fill): Q, the repeated K, the scores.
+    assert qk == [2 * BATCH * heads * (d + max_len * d + max_len)] * SHAPE["num_hidden_layers"]
+    times = {p: r.predict(H100, NO_COMM)["decode"]["time"] for p, r in steps.items()}
+    assert times["flash"] < times["gqa_expand"] < times["math"]
+    # Everything but attention is the same program.
+    other = {p: [n for n in r.phases["decode"].clock.names if "attention" not in n and n != "repeat_kv"] for p, r in steps.items()}
+    assert other["flash"] == other["gqa_expand"] == other["math"]
+
+
+# --- launch-bound steps -----------------------------------------------------------------------------------------
+
+
+def test_a_batch_1_prefill_pays_the_overhead_of_every_kernel():
+    run = _record("llama", 1, batch=1, prompt_len=8)
+    prefill = run.phases["prefill"]
+    kernels = sum(prefill.clock.kernel)
+    assert kernels > 10
+    base = DeviceModel(get_device("h100-sxm"), kernel_overhead_s=0.0)
+    slow = DeviceModel(get_device("h100-sxm"), kernel_overhead_s=1e-3)
+    extra = run.predict(slow, NO_COMM)["prefill"]["time"] - run.predict(base, NO_COMM)["prefill"]["time"]
+    assert extra == pytest.approx(kernels * 1e-3, rel=1e-9)
+    # Launch-bound at the committed constants: the overhead is most of this prefill.
+    assert kernels * H100.kernel_overhead_s > 0.5 * run.predict(H100, NO_COMM)["prefill"]["time"]
