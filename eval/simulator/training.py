@@ -332,10 +332,13 @@ def shard_params(model: nn.Module, layout: TrainLayout) -> int:
     return total
 
 
-def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu") -> TrainingRecording:
+def record_training(
+    arch: str, config, layout: TrainLayout, kernels: str = "gpu", fuse_pointwise: bool = True
+) -> TrainingRecording:
     """One micro-batch's forward and backward of `arch` at `layout`, recorded for replay (module docstring).
     `kernels="gpu"` charges flash attention's backward and fla's chunk kernel as the GPU runs them; "as_run" every
-    aten op as the meta device runs it."""
+    aten op as the meta device runs it. `fuse_pointwise`: elementwise ops fused into their neighbours (a compiled
+    step, `trainer.compile=true`); False charges each as a kernel of its own (eager)."""
     from eval.throughput import flops_per_token
 
     if kernels not in ("gpu", "as_run"):
@@ -348,7 +351,7 @@ def record_training(arch: str, config, layout: TrainLayout, kernels: str = "gpu"
         schedule = FSDPSchedule(layout, root, layers)
         hooks = schedule.install() if layout.fsdp else []
         ids = torch.zeros(layout.micro_batch, layout.seq_len // layout.sp, dtype=torch.long, device="meta")
-        clock = DeviceClock()
+        clock = DeviceClock(fuse_pointwise=fuse_pointwise)
         world = dist.get_world_size()
         with clock, ExitStack() as stack:
             if kernels == "gpu":
