@@ -188,3 +188,30 @@ def test_a_batch_1_prefill_pays_the_overhead_of_every_kernel():
     assert extra == pytest.approx(kernels * 1e-3, rel=1e-9)
     # Launch-bound at the committed constants: the overhead is most of this prefill.
     assert kernels * H100.kernel_overhead_s > 0.5 * run.predict(H100, NO_COMM)["prefill"]["time"]
+
+
+# --- SP 1: the sequence-parallel section's single-GPU baseline --------------------------------------------------
+
+
+def test_the_sequence_parallel_section_predicts_one_rank_as_the_baseline(tmp_path):
+    results = run_predicted(
+        tmp_path, "bench_preset=sp", "sequence_parallel.lengths=[128]", "sequence_parallel.sp=[1,2]",
+        "sequence_parallel.device_points=[]", "sequence_parallel.links=[nvlink-h100]", "sequence_parallel.ranks=[first]",
+        "sequence_parallel.bytes.lengths=[64]", "sequence_parallel.bytes.sp=[2]", "sequence_parallel.bytes.extra_points=[]",
+    )  # fmt: skip
+    sp = results["sequence_parallel"]
+    by = {(r["method"], r["p"]): r for r in sp["timed"]}
+    compare = {r["p"]: r for r in sp["compare"]}
+    for method in ("lasp2", "lasp1", "lasp2h", "ring"):
+        one, two = by[(method, 1)], by[(method, 2)]
+        # One rank: nothing sent, the time is the compute of the whole sequence.
+        assert one["link_bytes"] == one["link_ms"] == one["exposed_ms"] == 0 and one["fwd_calls"] == one["bwd_calls"] == 0
+        assert one["fwd_bwd_ms"] == pytest.approx(one["compute_ms"], rel=1e-12)
+        # Half the tokens per rank at P = 2: fewer FLOPs (its time may not be less at this launch-bound tiny shape:
+        # LASP-2's state exchange adds kernels).
+        assert two["fwd_flops"] < one["fwd_flops"] and two["bwd_flops"] < one["bwd_flops"] and two["link_bytes"] > 0
+        assert compare[2][f"{method}_speedup_over_one_gpu"] == pytest.approx(one["fwd_bwd_ms"] / two["fwd_bwd_ms"] - 1)
+    assert compare[1]["lasp2_speedup_over_one_gpu"] == 0
+    assert "LASP-2 over 1 GPU" in (tmp_path / "README.md").read_text()
+    with pytest.raises(ValueError, match=r"sequence_parallel.sp degree 1 must be an integer >= 2 .* predicted with compute="):
+        check_settings(bench_settings("bench_preset=sp", "sequence_parallel.sp=[1,2]"))

@@ -95,9 +95,16 @@ def check_sequence_parallel(cfg: dict) -> None:
         pairs = [(n, p) for n in lengths for p in degrees]
         extra = sp["bytes"].get("extra_points") if what else sp.get("device_points")
         pairs += [(e["n"], e["sp"]) for e in extra or []]
+        # With a device preset a timed P = 1 is the single-GPU baseline (the whole sequence on one rank, nothing
+        # sent); the bytes grid and measured compute need P >= 2.
+        least = 1 if predicted(cfg) and not what else 2
         for n, p in pairs:
-            if isinstance(p, bool) or not isinstance(p, int) or p < 2:
-                raise ValueError(f"sequence_parallel.{what}sp degree {p!r} must be an integer >= 2 (one rank has no communication).")
+            if isinstance(p, bool) or not isinstance(p, int) or p < least:
+                raise ValueError(
+                    f"sequence_parallel.{what}sp degree {p!r} must be an integer >= {least} (one rank has no "
+                    "communication" + (")." if least == 1 or what else "; one rank, the single-GPU baseline, is "
+                                       "predicted with compute=<a device preset>).")
+                )
             if isinstance(n, bool) or not isinstance(n, int) or n < p or n % p:
                 raise ValueError(
                     f"sequence_parallel.{what}lengths: N={n!r} does not split over P={p} ranks (each holds N/P "

@@ -33,6 +33,11 @@ def add_sp_comparisons(sp: dict, cfg: dict) -> None:
         # The softmax layers of a hybrid: LASP-2H against ring attention, the same layer's compute.
         lasp2h = index.get((n, p, rank, link, "lasp2h"))
         row["lasp2h_speedup_over_ring"] = ring["fwd_bwd_ms"] / lasp2h["fwd_bwd_ms"] - 1 if ring and lasp2h else None
+        # With a device preset's P = 1 point (the single-GPU baseline): each method's T(N, 1) / T(N, P) - 1, a gain
+        # as the section's other speed-ups.
+        for m in methods:
+            one, mine = index.get((n, 1, rank, link, m)), index.get((n, p, rank, link, m))
+            row[f"{m}_speedup_over_one_gpu"] = one["fwd_bwd_ms"] / mine["fwd_bwd_ms"] - 1 if one and mine else None
         compare.append(row)
     sp["compare"] = compare
     anchor = (cfg.get("anchors") or {}).get("sp_speedup") or {}
@@ -238,6 +243,8 @@ def sp_section(results: dict, images: dict[str, Path]) -> list[str]:
     cmp_cols = [("rank", "rank"), ("n", "N"), ("p", "P"), ("chunk", "N/P"), *ms_cols]
     cmp_cols += [("speedup_over_lasp1", "LASP-2 over LASP-1"), ("comm_speedup_over_lasp1", "over LASP-1, comm only"),
                  ("speedup_over_ring", "LASP-2 over ring"), ("lasp2h_speedup_over_ring", "LASP-2H over ring")]  # fmt: skip
+    if any(r.get(f"{m}_speedup_over_one_gpu") is not None for r in sp["compare"] for m in methods):
+        cmp_cols += [(f"{m}_speedup_over_one_gpu", f"{label[m]} over 1 GPU") for m in methods]  # T(N, 1) / T(N, P) - 1
     for link in s["links"]:
         sel = sorted((r for r in sp["compare"] if r["link"] == link), key=lambda r: (r["rank"], r["n"], r["p"]))
         lines += [f"#### {link}", "", report.write_markdown_table([_percent(r) for r in sel], cmp_cols)]
