@@ -81,10 +81,12 @@ def predict_training_memory(
     mesh = parallel.init_mesh(**layout.degrees, fake=True)
     try:
         with FakeTensorMode(), comm.use_mode("none"):
-            model = models.get(arch).model_class(config)
+            fsdp = layout.fsdp and layout.fsdp_size > 1
+            # Without FSDP the replicated trainer's autocast is replayed as a bf16 model (below), built in bf16:
+            # `module.to()` cannot swap fake parameters.
+            model = _build(arch, config, torch.float32 if fsdp else param_dtype)
             parallel.parallelize(model, mesh)
             apply_activation_checkpointing(model, layout.ac)
-            fsdp = layout.fsdp and layout.fsdp_size > 1
             if fsdp:
                 policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
                 apply_fsdp(model, mesh, model.model, layout.reshard_after_forward, policy)
@@ -98,9 +100,7 @@ def predict_training_memory(
                 tracker = MemTracker()
                 tracker.track_external(model)
             with tracker:
-                # Without FSDP the trainer's bf16 mixed precision is autocast over fp32 parameters.
-                with torch.autocast("cpu", dtype=param_dtype, enabled=not fsdp):
-                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 saved = _device_total(tracker.get_tracker_snapshot("current"))
                 loss.backward()
             peak = _device_total(tracker.get_tracker_snapshot("peak"))
@@ -108,7 +108,22 @@ def predict_training_memory(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if not fsdp:
+        # The replicated trainer's bf16 autocast over fp32 parameters, replayed as a bf16 model (grouped_mm's meta
+        # kernel takes bf16 only; activations come out in bf16 either way): its parameters and gradients counted
+        # at fp32 instead, plus autocast's cached bf16 copy of the weights.
+        held = peak.get("Parameter", 0) + peak.get("Gradient", 0)
+        peak = {**peak, "Total": peak["Total"] - held + 4 * shard * 2 + 2 * shard}
     return _breakdown(peak, saved, shard, phase)
+
+
+def _build(arch: str, config, dtype: torch.dtype):
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return models.get(arch).model_class(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _local_numel(model) -> int:
@@ -174,9 +189,9 @@ def predict_inference_memory(
     mesh = parallel.init_mesh(**degrees, fake=True)
     try:
         with FakeTensorMode(), comm.use_mode("none"), torch.no_grad():
-            model = models.get(arch).model_class(config)
+            model = _build(arch, config, dtype)
             parallel.parallelize(model, mesh)
-            model.to(dtype).eval()
+            model.eval()
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             tracker = MemTracker()
             tracker.track_external(model)

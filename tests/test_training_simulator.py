@@ -1,0 +1,171 @@
+"""The speed simulator's training step, memory and layout planner (eval/simulator/training.py, memory.py, planner.py):
+deterministic, FLOPs and state bytes by hand, FSDP2's collectives as FSDP2 issues them, predicted activation
+memory against a real CPU run, and a planner whose best layout fits and whose rejected ones do not."""
+
+import math
+
+import pytest
+import torch
+
+import models
+from eval.simulator.device import DeviceModel, get_device
+from eval.simulator.memory import predict_training_memory
+from eval.simulator.planner import links_for, plan_training, strides
+from eval.simulator.training import OPTIMIZER_BYTES_PER_PARAM, TrainLayout, record_training
+
+H100 = DeviceModel(get_device("h100-sxm"))
+
+
+def _llama():
+    return models.get("llama").tiny()
+
+
+def test_two_runs_identical():
+    layout = TrainLayout(dp=2, tp=2, micro_batch=2, seq_len=32, ac="selective")
+    a = record_training("llama", _llama(), layout).predict(H100, "nvlink-h100")
+    b = record_training("llama", _llama(), layout).predict(H100, "nvlink-h100")
+    assert a == b
+
+
+def _hand_flops(c, batch: int, seq: int) -> tuple[float, float, float]:
+    """(forward, backward, one layer stack's forward) matmul + attention FLOPs of the tiny llama, by hand."""
+    t, d, f, v = batch * seq, c.hidden_size, c.intermediate_size, c.vocab_size
+    hd = d // c.num_attention_heads
+    linears = d * (d + 2 * c.num_key_value_heads * hd) + d * d + 3 * d * f  # q k v, o, gate up down
+    attention = 4 * batch * c.num_attention_heads * seq * seq * hd // 2  # causal: half the square
+    layer_fwd = 2 * t * linears + attention
+    layers_fwd = c.num_hidden_layers * layer_fwd
+    head = 2 * t * d * v
+    forward = layers_fwd + head
+    # Backward: two matmuls per forward matmul (input and weight gradients); flash attention's 2.5x its forward.
+    backward = c.num_hidden_layers * (2 * 2 * t * linears + attention * 5 / 2) + 2 * head
+    return forward, backward, layers_fwd
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_step_flops_by_hand(ac):
+    """Recorded FLOPs = forward + backward (2x every matmul, 2.5x flash attention) + full AC's recomputed layers."""
+    c = _llama()
+    layout = TrainLayout(micro_batch=2, seq_len=32, ac=ac)
+    run = record_training("llama", c, layout)
+    forward, backward, layers = _hand_flops(c, 2, 32)
+    expected = forward + backward + (layers if ac == "full" else 0)
+    assert sum(run.clock.flops) == pytest.approx(expected, rel=1e-9)
+
+
+def test_fsdp_collectives_where_fsdp2_issues_them():
+    """Per micro-batch: the root and every layer gathered for the forward, every layer again for the backward
+    (reshard_after_forward), every unit reduce-scattered once; fewer gathers without resharding."""
+    c = _llama()
+    n = c.num_hidden_layers
+
+    def kinds(**kw):
+        run = record_training("llama", c, TrainLayout(dp=4, micro_batch=1, seq_len=16, **kw))
+        issued = [args[0] for name, args, _ in run.recorder.calls if name == "issue"]
+        return {k: issued.count(k) for k in set(issued)}
+
+    assert kinds() == {"all_gather": 1 + 2 * n, "reduce_scatter": n + 1}
+    assert kinds(reshard_after_forward=False) == {"all_gather": 1 + n, "reduce_scatter": n + 1}
+    assert kinds(fsdp=False) == {"all_reduce": 1}
+
+
+def test_grad_accumulation_and_optimizer():
+    c = _llama()
+    one = record_training("llama", c, TrainLayout(dp=2, seq_len=16)).predict(H100, "nvlink-h100")
+    four = record_training("llama", c, TrainLayout(dp=2, seq_len=16, grad_accum=4)).predict(
+        H100, "nvlink-h100"
+    )
+    assert four["step_s"] == pytest.approx(4 * one["micro_batch_s"] + one["optimizer_s"])
+    assert four["tokens_per_s_per_device"] > one["tokens_per_s_per_device"]  # the optimizer paid once per 4
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [TrainLayout(dp=1, seq_len=16), TrainLayout(dp=4, seq_len=16), TrainLayout(dp=2, tp=2, seq_len=16),
+     TrainLayout(dp=4, fsdp=False, seq_len=16)],
+    ids=["one", "fsdp4", "fsdp2_tp2", "replicated4"],
+)  # fmt: skip
+def test_state_bytes_by_hand(layout):
+    """Parameters, gradients (fp32) and AdamW's two moments of this rank's shard, exactly, at each sharding."""
+    c = _llama()
+    d, f, v, hd = c.hidden_size, c.intermediate_size, c.vocab_size, c.hidden_size // c.num_attention_heads
+    tp = layout.tp
+    per_layer = (d * d + 2 * d * c.num_key_value_heads * hd + d * d + 3 * d * f) // tp + 2 * d  # + two norms
+    total = c.num_hidden_layers * per_layer + 2 * v * d + d  # embed, head (not tied), final norm
+    # FSDP2 shards each parameter on dim 0 into F chunks of ceil(rows / F) rows: rank 0 holds a full chunk.
+    memory = predict_training_memory("llama", c, layout)
+    f_size = layout.fsdp_size
+    if f_size == 1:
+        assert memory.params_bytes == 4 * total
+    else:
+        assert memory.params_bytes == pytest.approx(4 * total / f_size, rel=0.02)
+    assert memory.grads_bytes == memory.params_bytes
+    assert memory.optimizer_bytes == 2 * memory.params_bytes
+    run = record_training("llama", c, layout)
+    assert run.shard_params * 4 == pytest.approx(memory.params_bytes, rel=0.02)
+    assert OPTIMIZER_BYTES_PER_PARAM * run.shard_params > 0
+
+
+def _measured_saved_bytes(arch: str, config, seq: int, batch: int) -> int:
+    """Bytes of the tensors a real CPU forward saves for its backward (unique storages, parameters excluded), the
+    model in bf16 as the memory replay runs the replicated trainer: what `saved_activations_bytes` predicts."""
+    torch.manual_seed(0)
+    model = models.get(arch).model_class(config).to(torch.bfloat16).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    del loss
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "moe", "linear"])
+def test_activation_memory_against_a_real_run(arch):
+    """Predicted (fake tensors, PyTorch's MemTracker) vs measured (a real CPU forward's saved tensors): within 10%."""
+    config = models.get(arch).tiny(vocab_size=256)
+    seq, batch = 64, 4
+    predicted = predict_training_memory(arch, config, TrainLayout(seq_len=seq, micro_batch=batch, fsdp=False))
+    measured = _measured_saved_bytes(arch, models.get(arch).tiny(vocab_size=256), seq, batch)
+    assert predicted.saved_activations_bytes == pytest.approx(measured, rel=0.10)
+
+
+def test_ac_lowers_activation_memory():
+    c = _llama()
+    peaks = {ac: predict_training_memory("llama", c, TrainLayout(seq_len=64, micro_batch=4, ac=ac)).saved_activations_bytes
+             for ac in ("none", "selective", "full")}  # fmt: skip
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
+
+
+def test_links_by_node():
+    """A group inside a node runs on NVLink, one spanning nodes on the hierarchical link."""
+    layout = TrainLayout(dp=16, tp=4)
+    assert strides(layout.degrees) == {"tp": 1, "sp": 4, "ep": 4, "dp": 4}
+    links = links_for(layout, 8, "nvlink-h100", "ib-hdr-200g")
+    assert links["tp"].name == "nvlink-h100"
+    assert links["fsdp"].name == "nvlink-h100+ib-hdr-200g" and links["fsdp"].ranks_per_node == 2
+    assert links_for(TrainLayout(dp=2, tp=4), 8, "nvlink-h100", "ib-hdr-200g")["fsdp"].name == "nvlink-h100"
+
+
+def test_planner_best_fits_and_rejected_do_not():
+    c = _llama()
+    kw = dict(gpus=4, gpus_per_node=4, device=H100, seq_len=64, global_batch_tokens=4 * 4 * 64,
+              micro_batches=(1, 2, 4), ac_modes=("none", "full"), fsdp=(True,), tp=[1, 2], log=lambda *_: None)  # fmt: skip
+    everything = plan_training("llama", c, memory_gib=1e6, **kw)["rows"]
+    peaks = sorted(r["peak_gib"] for r in everything)
+    bound = peaks[len(peaks) // 2]  # about half the layouts fit
+    plan = plan_training("llama", c, memory_gib=bound, **kw)
+    assert plan["best"] is not None and plan["best"]["peak_gib"] <= bound
+    assert all(r["peak_gib"] > bound for r in plan["rows"] if not r["fits"])
+    assert all(r["peak_gib"] <= bound for r in plan["rows"] if r["fits"])
+    assert any(not r["fits"] for r in plan["rows"])
+    fitting = [r["tokens_per_s_per_device"] for r in plan["rows"] if r["fits"]]
+    assert plan["best"]["tokens_per_s_per_device"] == max(fitting)
+    assert all(math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1 for r in plan["rows"])
