@@ -169,3 +169,26 @@ def test_planner_best_fits_and_rejected_do_not():
     fitting = [r["tokens_per_s_per_device"] for r in plan["rows"] if r["fits"]]
     assert plan["best"]["tokens_per_s_per_device"] == max(fitting)
     assert all(math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1 for r in plan["rows"])
+
+
+@pytest.mark.parametrize("task", ["train", "generate"])
+def test_plan_app(tmp_path, task):
+    """`python -m eval.plan` end to end at the tiny shape: the report, the JSON and the best layout's command."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eval.plan import run_plan
+    from eval.simulator.heldout import _BENCH_YAML
+
+    overrides = ["model=llama", "bench_shape=tiny", "gpus=2", "gpus_per_node=2", "seq_len=32", "micro_batches=[1]",
+                 "ac=[none]", f"task={task}", "generate.batch=2", "generate.prompt_len=8", "generate.new_tokens=4"]  # fmt: skip
+    with initialize_config_dir(str(_BENCH_YAML.parent), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("plan", overrides=overrides), resolve=False)
+    result = run_plan(cfg, tmp_path)
+    assert result["best"] is not None and result["best"]["fits"]
+    assert (tmp_path / "README.md").read_text().count(result["best"]["label"]) >= 1
+    assert (tmp_path / "plan.png").exists() and (tmp_path / "plan.json").exists()
+    if task == "train":
+        assert "-m train.pretrain model=llama" in result["command"] and "parallel.dp=" in result["command"]
+    else:
+        assert {r["label"] for r in result["rows"]} >= {"1 GPU", "tp2"}
