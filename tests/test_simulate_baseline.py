@@ -215,3 +215,33 @@ def test_the_sequence_parallel_section_predicts_one_rank_as_the_baseline(tmp_pat
     assert "LASP-2 over 1 GPU" in (tmp_path / "README.md").read_text()
     with pytest.raises(ValueError, match=r"sequence_parallel.sp degree 1 must be an integer >= 2 .* predicted with compute="):
         check_settings(bench_settings("bench_preset=sp", "sequence_parallel.sp=[1,2]"))
+
+
+# --- wave quantisation (optional, off by default) ---------------------------------------------------------------
+
+
+def test_wave_quantisation_charges_a_matmul_its_idle_sms():
+    toy = DevicePreset("toy", 1e12, 1e30, sms=4)  # 4 SMs, compute-bound only
+    flat = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
+    waves = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0, wave_quantisation=True)
+
+    def matmul(m, n, batch=None):
+        a = torch.empty(*([batch] if batch else []), m, 64, device="meta", dtype=torch.bfloat16)
+        b = torch.empty(*([batch] if batch else []), 64, n, device="meta", dtype=torch.bfloat16)
+        with DeviceClock() as clock:
+            a @ b
+        return clock
+
+    for (m, n, batch), tiles, share in [
+        ((128, 128, None), 1, 1 / 4),  # one tile: 3 of the 4 SMs idle
+        ((512, 128, None), 4, 1.0),  # one full wave
+        ((640, 129, None), 10, 10 / 12),  # 5 x 2 tiles (129 columns: a partial tile): 3 waves of 4
+        ((128, 128, 8), 8, 1.0),  # a batched matmul's tiles are per batch element: two full waves
+    ]:
+        clock = matmul(m, n, batch)
+        assert clock.tiles == [tiles], (m, n, batch)
+        assert clock.times(waves)[-1] == pytest.approx(clock.times(flat)[-1] / share, rel=1e-12)
+    # Off by default (the committed fit has none); it needs the preset's SM count.
+    assert not DeviceModel(get_device("h100-sxm")).wave_quantisation and get_device("h100-sxm").sms == 132
+    with pytest.raises(ValueError, match=r"wave_quantisation=True needs the device's SM count; preset 'toy' has sms=0"):
+        DeviceModel(DevicePreset("toy", 1e12, 1e9), wave_quantisation=True)

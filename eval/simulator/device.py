@@ -36,12 +36,15 @@ One op's time on a device (roofline, plus a fixed cost per kernel):
   (`math_attention_charges`: each kernel's bytes; the full square, nothing skipped).
 - Small, launch-bound steps (a decode step, a prefill at batch 1 on a short prompt): every kernel pays
   `kernel_overhead_s` on top of its roofline time, whatever its size, so a step of N kernels costs at least
-  N x kernel_overhead_s. Not modelled: wave quantisation (a matmul whose 128 x 128 output tiles are fewer
-  than the GPU's SMs, or not a whole number of waves, runs on part of the chip and cannot reach `eff_flops`
-  of its peak), tensor-core tile padding of small dimensions, L2 reuse (an operand read twice is charged
-  twice), and a kernel's own latency beyond the fixed overhead (a small reduction's tail). A memory-bound
-  small matmul (decode's weight reads) is charged its bytes, which wave quantisation would not change much;
-  a small compute-bound one (a short prompt's prefill) is charged as if the whole chip ran it.
+  N x kernel_overhead_s. Wave quantisation is optional and off by default (`DeviceModel(wave_quantisation=
+  True)`; the committed constants were fitted without it): a matmul's output is cut into 128 x 128 tiles
+  (`output_tiles`), run one per SM at a time (the preset's SM count, from the spec sheet), so one whose tiles
+  are fewer than the SMs, or not a whole number of waves, keeps only tiles / (waves x SMs) of the chip busy
+  and its FLOP time is divided by that. Off, a small compute-bound matmul (a short prompt's prefill) is
+  charged as if the whole chip ran it. Not modelled either way: the tile shape a library picks (64-wide or
+  split-K kernels for skinny matmuls), tensor-core padding of small dimensions, L2 reuse (an operand read
+  twice is charged twice), and a kernel's latency beyond the fixed overhead (a small reduction's tail).
+  Memory-bound matmuls (decode's weight reads) are charged their bytes either way.
 """
 
 from contextlib import contextmanager
@@ -61,16 +64,18 @@ class DevicePreset:
     peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
     hbm_Bps: float  # HBM bandwidth, bytes/s
     note: str = ""
+    sms: int = 0  # streaming multiprocessors (spec sheet); 0: unknown (no wave quantisation possible)
 
 
+# SM counts: NVIDIA's spec sheets / architecture whitepapers (H100 SXM5 and H200: 132; A100 and A800: 108; A30: 56).
 DEVICES: dict[str, DevicePreset] = {
-    "h100-sxm": DevicePreset("h100-sxm", 989e12, 3.35e12, "H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3"),
-    "h200": DevicePreset("h200", 989e12, 4.8e12, "H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e"),
-    "a100-sxm": DevicePreset("a100-sxm", 312e12, 2.039e12, "A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s"),
+    "h100-sxm": DevicePreset("h100-sxm", 989e12, 3.35e12, "H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3", 132),
+    "h200": DevicePreset("h200", 989e12, 4.8e12, "H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e", 132),
+    "a100-sxm": DevicePreset("a100-sxm", 312e12, 2.039e12, "A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s", 108),
     # The held-out papers' GPUs (eval.simulator.heldout), from the spec sheets only (nothing fitted on them):
-    "a100-40gb": DevicePreset("a100-40gb", 312e12, 1.555e12, "A100 SXM4 40GB datasheet: 312 TFLOP/s dense bf16, 1.555 TB/s HBM2"),
-    "a800": DevicePreset("a800", 312e12, 2.039e12, "A800 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e (NVLink cut to 400 GB/s)"),
-    "a30": DevicePreset("a30", 165e12, 0.933e12, "A30 PCIe 24GB datasheet: 165 TFLOP/s dense bf16, 933 GB/s HBM2"),
+    "a100-40gb": DevicePreset("a100-40gb", 312e12, 1.555e12, "A100 SXM4 40GB datasheet: 312 TFLOP/s dense bf16, 1.555 TB/s HBM2", 108),
+    "a800": DevicePreset("a800", 312e12, 2.039e12, "A800 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e (NVLink cut to 400 GB/s)", 108),
+    "a30": DevicePreset("a30", 165e12, 0.933e12, "A30 PCIe 24GB datasheet: 165 TFLOP/s dense bf16, 933 GB/s HBM2", 56),
 }  # fmt: skip
 
 
@@ -98,6 +103,9 @@ class DeviceModel:
     # (latency: base + hops x alpha; bandwidth: the rest). None: `contention` for both.
     contention: float = 0.0
     contention_bw: float | None = None
+    # Wave quantisation of matmuls (off: the committed fit has none): a matmul's 128 x 128 output tiles run in
+    # waves of one tile per SM, so its FLOP time is divided by tiles / (waves x SMs) (`wave_efficiency`).
+    wave_quantisation: bool = False
 
     def __post_init__(self):
         for name in ("eff_flops", "eff_hbm"):
@@ -110,6 +118,11 @@ class DeviceModel:
             raise ValueError(f"contention={self.contention!r} must be in [0, 1].")
         if self.contention_bw is not None and not 0 <= self.contention_bw <= 1:
             raise ValueError(f"contention_bw={self.contention_bw!r} must be in [0, 1].")
+        if self.wave_quantisation and self.device.sms < 1:
+            raise ValueError(
+                f"wave_quantisation=True needs the device's SM count; preset {self.device.name!r} has sms="
+                f"{self.device.sms!r} (the presets of DEVICES have theirs: {sorted(DEVICES)})."
+            )
 
     def contention_at(self, bandwidth_share: float) -> float:
         """The contention of overlapped communication whose link time is `bandwidth_share` bandwidth-bound
@@ -132,13 +145,19 @@ class DeviceModel:
             contention_bw=None if contention_bw is None else float(contention_bw),
         )
 
-    def op_time(self, flops: float, nbytes: float, kernel: bool) -> float:
+    def op_time(self, flops: float, nbytes: float, kernel: bool, tiles: int = 0) -> float:
         if not kernel:
             return 0.0
-        return (
-            max(flops / (self.device.peak_flops * self.eff_flops), nbytes / (self.device.hbm_Bps * self.eff_hbm))
-            + self.kernel_overhead_s
-        )
+        compute = flops / (self.device.peak_flops * self.eff_flops * self.wave_efficiency(tiles))
+        return max(compute, nbytes / (self.device.hbm_Bps * self.eff_hbm)) + self.kernel_overhead_s
+
+    def wave_efficiency(self, tiles: int) -> float:
+        """The fraction of the SMs a kernel of `tiles` output tiles keeps busy over its waves: tiles / (waves x
+        SMs), waves = ceil(tiles / SMs); 1 without wave quantisation or for a kernel of no tiles (not a matmul)."""
+        if not self.wave_quantisation or tiles <= 0:
+            return 1.0
+        sms = self.device.sms
+        return tiles / (-(-tiles // sms) * sms)
 
 
 # Ops that produce no data of their own: views and aliases (also caught by `OpOverload.is_view`),
@@ -149,6 +168,20 @@ _FREE = {
     "aten::promote_types", "aten::_local_scalar_dense", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
 }  # fmt: skip
 _GATHERS = {"aten::embedding", "aten::index_select", "aten::gather", "aten::index"}
+
+
+# Matmuls whose output is cut into tiles, one per SM at a time (wave quantisation, `DeviceModel.wave_efficiency`).
+_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
+TILE = 128  # a matmul kernel's output tile, 128 x 128 (cuBLAS / CUTLASS's common tile for bf16 on A100 / H100)
+
+
+def output_tiles(out: torch.Tensor) -> int:
+    """The 128 x 128 tiles of a matmul's output [..., M, N]: batch x ceil(M / 128) x ceil(N / 128) (a grouped
+    matmul's [rows, N] as one: its groups' boundaries add a partial tile each, not counted)."""
+    if out.dim() < 2:
+        return 1
+    batch = out.numel() // (out.shape[-2] * out.shape[-1]) if out.shape[-2] * out.shape[-1] else 0
+    return batch * -(-out.shape[-2] // TILE) * -(-out.shape[-1] // TILE)
 
 
 def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
@@ -222,6 +255,7 @@ class DeviceClock(TorchDispatchMode):
         self.flops: list[float] = []
         self.bytes: list[float] = []
         self.kernel: list[bool] = []
+        self.tiles: list[int] = []  # a matmul's 128 x 128 output tiles (wave quantisation); 0 for other ops
         self.names: list[str] = []
         self._quiet = 0  # > 0 inside a fused kernel already charged (the attention's decomposition)
         self._last_times = None  # ((DeviceModel, op count), times): replays on several links reuse them
@@ -249,11 +283,12 @@ class DeviceClock(TorchDispatchMode):
         finally:
             self._quiet -= 1
 
-    def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True) -> None:
+    def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True, tiles: int = 0) -> None:
         self.names.append(name)
         self.flops.append(float(flops))
         self.bytes.append(float(nbytes))
         self.kernel.append(kernel)
+        self.tiles.append(int(tiles))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -269,7 +304,7 @@ class DeviceClock(TorchDispatchMode):
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
             nbytes = sum(tensor_bytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(tensor_bytes, results))
-            self.charge(name, flops, nbytes)
+            self.charge(name, flops, nbytes, tiles=output_tiles(results[0]) if name in _MATMULS and results else 0)
         elif name in _GATHERS:
             self.charge(name, 0, 2 * sum(map(tensor_bytes, results)))
         elif func._schema.is_mutable and name not in ("aten::copy_",):
@@ -294,8 +329,9 @@ class DeviceClock(TorchDispatchMode):
     def _cumulative(self, model: DeviceModel) -> list[float]:
         flops, nbytes, kernel = (np.asarray(x, dtype=np.float64) for x in (self.flops, self.bytes, self.kernel))
         d = model.device
+        waves = np.asarray([model.wave_efficiency(t) for t in self.tiles], dtype=np.float64)
         per_op = kernel * (
-            np.maximum(flops / (d.peak_flops * model.eff_flops), nbytes / (d.hbm_Bps * model.eff_hbm))
+            np.maximum(flops / (d.peak_flops * model.eff_flops * waves), nbytes / (d.hbm_Bps * model.eff_hbm))
             + model.kernel_overhead_s
         )
         return np.concatenate([[0.0], np.cumsum(per_op)]).tolist()
