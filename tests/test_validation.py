@@ -61,6 +61,16 @@ def test_quick_report_twice_identical(tmp_path):
             assert row["ratio"] == pytest.approx(row["predicted"] / row["published"])
             assert row["within"] == (abs(row["ratio"] - 1) <= heldout.TARGET)
         assert row["cells"] and all(c["predicted"] > 0 for c in row["cells"])
+    rows = {r["key"]: r for r in first["heldout"]}
+    # The training cells carry the paper's numbers even at quick shapes (ScMoE's Tables 1 and 2) ...
+    train = [c for c in rows["scmoe"]["cells"] if "training speed-up" in c["label"]]
+    assert [c["published"] for c in train] == [1.43, 1.12] and all(c["ratio"] > 0 for c in train)
+    assert sum("training, 8 x A30-PCIe" in s["effect"] for s in rows["scmoe"]["sensitivity"]) == 4
+    # ... and LASP-2's whole training step keeps what the row checks (quick shapes: no published number beside it).
+    lasp2 = rows["lasp2"]
+    assert [c["label"].split(",")[0] for c in lasp2["cells"][:2]] == ["LASP-2 over LASP-1", "LASP-2 over ring attention"]
+    assert {"bf16", "fsdp", "model only"} <= {s["value"] for s in lasp2["sensitivity"]}
+    assert heldout.module("lasp2").PUBLISHED == {"lasp1": 1.152, "ring": 1.366}
     cells = first["ladder"]["cells"]
     assert len([c for c in cells if c["kind"] == "tokens/s"]) == 16 and len([c for c in cells if c["kind"] == "prefill ms"]) == 15
     readme = (tmp_path / "a" / "README.md").read_text()
@@ -69,6 +79,25 @@ def test_quick_report_twice_identical(tmp_path):
         assert text in readme
     assert (tmp_path / "a" / "validation.png").stat().st_size > 1000
     assert (tmp_path / "a" / "ladder" / "README.md").exists()
+
+
+def test_training_recordings_play_the_rank_asked_and_wait_every_collective():
+    # heldout.record_training_at: ring attention's last rank attends to every block (rank 0 to its own), and each
+    # wait of the replay refers to its own collective (the gradient all-reduce after the backward included).
+    from eval.bench.sp import sp_config
+    from eval.simulator.heldout import lasp2
+    from eval.simulator.training import TrainLayout
+
+    shape = {**lasp2.QUICK["shape"], "num_hidden_layers": 1}
+    config = sp_config(lasp2._cfg(shape, 1), "ring", 4)
+    layout = TrainLayout(sp=4, fsdp=False, seq_len=256)
+    first, last = (heldout.record_training_at("linear", config, layout, rank=r) for r in (0, 3))
+    assert sum(last.clock.flops) > sum(first.clock.flops)
+    issued = sum(name == "issue" for name, _, _ in last.recorder.calls)
+    waited = [args[0] for name, args, _ in last.recorder.calls if name == "wait"]
+    assert sorted(set(waited)) == list(range(issued))
+    step = heldout.train_step(last, heldout.device_model("a100-sxm"), lasp2.DGX_A100_IB)
+    assert step["exposed_by"]["all_reduce"] > 0 and step["step_s"] >= step["micro_batch_s"] + step["optimizer_s"]
 
 
 @pytest.mark.slow

@@ -7,20 +7,21 @@ throughput in tokens/s; headline (abstract): LASP-2 +15.2% over LASP-1 and +36.6
 throughput at 2K..4096K on 16..128 GPUs (the cells below at 64 GPUs). Figure 3's other methods are a plot only,
 so their per-length ratios are predicted here without a published number beside them.
 
-What is predicted (nothing fitted; `heldout.device_model("a100-sxm")` is the committed Ladder fit):
+What is predicted (nothing fitted; `heldout.device_model("a100-sxm")` is the committed Ladder fit): one whole
+training step of rank P-1 (the rank that sets a step: the last chunk's prefix, ring attention's most blocks), replayed
+by eval.simulator.training (`heldout.record_training_at`): the 16-layer model's own forward and backward on the meta
+device (fla's chunk kernel and flash attention's backward charged as GPU kernels), embedding, lm_head and loss
+included; its collectives on the hierarchical link `DGX_A100_IB` (parallel.link.HierarchicalLink: NVLink 3 inside a
+node of 8, one 200 Gb/s HDR InfiniBand NIC per GPU between the 8 nodes), with the contention of overlapped
+communication the other rows charge (`heldout.train_step`); then the optimizer over the rank's parameters.
 
-- one decoder layer of rank P-1 (the rank that sets a step: the last chunk's prefix, ring attention's most blocks),
-  forward + backward, the model's own `forward()` on the meta device under the device model
-  (eval.bench.sp.sp_record, fla's chunk kernel and flash attention's backward charged as GPU kernels), replayed on
-  the hierarchical link `DGX_A100_IB` (parallel.link.HierarchicalLink: NVLink 3 inside a node of 8, one 200 Gb/s HDR
-  InfiniBand NIC per GPU between the 8 nodes); times the 16 layers (each layer waits for its own collectives, so
-  layers add up exactly);
-- plus the parts of a training step outside the layers, the same for every method: embedding, final norm, lm_head
-  and the loss, forward + backward, on the meta device; the gradient all-reduce over the 64 ranks (every weight is
-  replicated over sp; bf16 gradients, not overlapped with the backward: Megatron-Core's defaults, assumed); one
-  Adam step (28 bytes of HBM traffic per parameter: bf16 gradient read, fp32 master weight and both moments read
-  and written, bf16 weight written; assumed);
-- throughput = N tokens / step time, so a gain is T_baseline / T_LASP-2.
+The trainer is the zoo's replicated one (`TrainLayout(fsdp=False)`, parallel/grad_sync.py): every weight is
+replicated over sp and its gradient all-reduced over the 64 ranks once after the backward, not overlapped. That is
+the Megatron-style data-parallel gradient all-reduce the paper's Megatron-based code runs (Linear-MoE) and what this
+row assumed when it was assembled by hand; the zoo reduces fp32 gradients (Megatron-Core's default reduces bf16:
+`sensitivity`) and steps a fused AdamW (eval.simulator.training.OPTIMIZER_BYTES_PER_PARAM). FSDP2 (the zoo's
+default engine) over the 64 sp ranks is a sensitivity run. Throughput = N tokens / step time, so a gain is
+T_baseline / T_LASP-2.
 
 LASP-1 as parallel/sequence.py runs it: P-1 ring hops per layer and pass, each issued after the last is waited
 (the rank's timeline carries all of them, whichever rank it plays), every hop a send/recv whose ring-shift step
@@ -32,15 +33,10 @@ repository's (softmax layers, K/V blocks shifted around the ring, each block's s
 import dataclasses
 import math
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-import models
-from eval.bench.sp import build_sp_trunk, fake_sp_mesh, sp_inputs, sp_record
-from eval.simulator.device import DeviceClock, DeviceModel
-from eval.simulator.heldout import device_model
-from eval.simulator.replay import bandwidth_share
+from eval.bench.sp import sp_config
+from eval.simulator.device import DeviceModel
+from eval.simulator.heldout import device_model, record_training_at, train_step
+from eval.simulator.training import TrainLayout
 from parallel.link import LINK_PRESETS, HierarchicalLink, collective_time
 
 PAPER = "lasp2"
@@ -87,8 +83,6 @@ DGX_A100_IB = HierarchicalLink(
 )
 METHODS = ("lasp2", "lasp1", "ring")
 NAMES = {"lasp2": "LASP-2", "lasp1": "LASP-1", "ring": "ring attention"}  # eval.bench.sp.SP_ALGORITHMS: linear layer by LASP-2 / LASP-1, softmax by ring
-ADAM_BYTES_PER_PARAM = 28  # bf16 grad read, fp32 master + m + v read and written, bf16 weight written
-ADAM_FLOPS_PER_PARAM = 12
 
 QUICK = {
     "shape": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -112,58 +106,19 @@ def _setting(quick: bool) -> dict:
     return {"shape": SHAPE, "p": P, "lengths": LENGTHS, "headline_n": HEADLINE_N, "link": DGX_A100_IB}
 
 
-def record_layer(shape: dict, method: str, n: int, p: int) -> dict:
-    """One decoder layer of `method` on rank P-1, forward + backward, recorded on the meta device (sp_record)."""
-    cfg = _cfg(shape, 1)
-    mesh = fake_sp_mesh(p, p - 1)
-    try:
-        meta = torch.device("meta")
-        trunk = build_sp_trunk(cfg, method, p, mesh, meta, torch.bfloat16)
-        inputs = sp_inputs(trunk, n, p, BATCH, 0, meta, torch.bfloat16)
-        return sp_record(trunk, inputs, p, "nvlink-a100", "gpu")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def layer_time(run: dict, dm: DeviceModel, link: HierarchicalLink, p: int) -> dict:
-    """A recorded layer replayed: forward + backward seconds (with the contention of overlapped communication,
-    as eval.simulator.replay.Phase.replay), its exposed and busy link seconds, its compute."""
-    times = run["clock"].times(dm)
-    _, total = run["recorder"].replay(link, times)
-    overlapped = max(0.0, total["busy"] - total["exposed"])
-    contention = dm.contention_at(bandwidth_share(run["recorder"].calls, link))
-    return {"time": total["time"] + contention * overlapped, "exposed": total["exposed"], "busy": total["busy"],
-            "compute": times[-1], "busy_by": total["busy_by"], "exposed_by": total["exposed_by"]}  # fmt: skip
-
-
-def outside_layers(shape: dict, method: str, n: int, p: int, dm: DeviceModel, link: HierarchicalLink) -> dict:
-    """Seconds of a training step outside the decoder layers on one rank (module docstring): the embedding, final
-    norm, lm_head and loss of its chunk (forward + backward, on the meta device), the gradient all-reduce over the
-    P ranks, one Adam step."""
-    from eval.bench.sp import sp_config
-
+def record(shape: dict, method: str, n: int, p: int, fsdp: bool = False):
+    """One training step of the whole model, `method` as the zoo runs it (eval.bench.sp.SP_ALGORITHMS: linear
+    layers by LASP-2 / LASP-1, softmax layers by ring attention), recorded as rank P-1 of the P-way sp mesh."""
     config = sp_config(_cfg(shape, shape["num_hidden_layers"]), method, p)
-    with torch.device("meta"):
-        model = models.get("linear").model_class(config)
-    model.to(torch.bfloat16)
-    params = sum(t.numel() for t in model.parameters())
-    c = n // p
-    clock = DeviceClock()
-    with clock:
-        ids = torch.zeros(BATCH, c, dtype=torch.long, device="meta")
-        hidden = model.model.embed_tokens(ids).detach().requires_grad_()
-        logits = model.lm_head(model.model.norm(hidden))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())  # fp32 logits, as HF's loss
-        loss.backward()
-    head = clock.times(dm)[-1]
-    adam = dm.op_time(ADAM_FLOPS_PER_PARAM * params, ADAM_BYTES_PER_PARAM * params, kernel=True)
-    return {"head": head, "adam": adam, "params": params, "grad_all_reduce": grad_all_reduce(params, p, link)}
+    layout = TrainLayout(sp=p, fsdp=fsdp, micro_batch=BATCH, seq_len=n)
+    return record_training_at("linear", config, layout, rank=p - 1)
 
 
-def grad_all_reduce(params: int, p: int, link) -> float:
-    """The bf16 gradients of every (sp-replicated) weight summed over the P ranks, not overlapped."""
-    return collective_time("all_reduce", 2 * params, p, link)
+def step_parts(run, dm: DeviceModel, link) -> dict:
+    """A recorded step replayed on `link` (heldout.train_step), with its gradient all-reduce apart: exposed in
+    full (issued after the backward on an idle link), its seconds are `grad_all_reduce`."""
+    out = train_step(run, dm, link)
+    return {**out, "grad_all_reduce": out["exposed_by"].get("all_reduce", 0.0)}
 
 
 def _ring_flash_bound(shape: dict, n: int, p: int, dm: DeviceModel) -> float:
@@ -177,29 +132,20 @@ def _ring_flash_bound(shape: dict, n: int, p: int, dm: DeviceModel) -> float:
 
 def validate(quick: bool = False) -> dict:
     s = _setting(quick)
-    shape, p, link, layers = s["shape"], s["p"], s["link"], s["shape"]["num_hidden_layers"]
+    shape, p, link = s["shape"], s["p"], s["link"]
     dm = device_model("a100-sxm")
-    runs = {(m, n): record_layer(shape, m, n, p) for n in s["lengths"] for m in METHODS}
-    outside = {(m, n): outside_layers(shape, m, n, p, dm, link) for n in s["lengths"] for m in METHODS}
-
+    runs = {(m, n): record(shape, m, n, p) for n in s["lengths"] for m in METHODS}
     n0 = s["headline_n"]
 
-    def steps(link_=link, with_outside=True, lengths=None) -> dict:
+    def steps(link_=link, lengths=None) -> dict:
         """Step seconds per (method, N) on `link_` (the device model is the committed one throughout)."""
-        out = {}
-        for (m, n), run in runs.items():
-            if lengths is not None and n not in lengths:
-                continue
-            rest = outside[(m, n)]
-            fixed = rest["head"] + rest["adam"] + grad_all_reduce(rest["params"], p, link_)
-            out[(m, n)] = layers * layer_time(run, dm, link_, p)["time"] + (fixed if with_outside else 0.0)
-        return out
+        return {k: train_step(run, dm, link_)["step_s"] for k, run in runs.items() if lengths is None or k[1] in lengths}
 
     base = steps()
     cells = []
     for baseline in ("lasp1", "ring"):
         t2, tb = base[("lasp2", n0)], base[(baseline, n0)]
-        what = "throughput ratio T_baseline / T_LASP-2 of one training step (the layers + the rest)"
+        what = "throughput ratio T_baseline / T_LASP-2 of one training step of the whole model"
         if baseline == "ring":
             what += ("; second headline cell, NOT comparable: the paper's ring row ran on the linear model "
                      "(Figure 3 caption), this one is the repository's ring attention on softmax layers (`lacks`)")
@@ -226,8 +172,8 @@ def validate(quick: bool = False) -> dict:
     def ratio(table, baseline="lasp1"):
         return table[(baseline, n0)] / table[("lasp2", n0)]
 
-    def at(link_=link, with_outside=True):
-        return steps(link_, with_outside, lengths=[n0])
+    def at(link_=link):
+        return steps(link_, lengths=[n0])
 
     for launch in (0.0, 10e-6, 50e-6, 100e-6, 200e-6):
         sensitivity.append({"effect": "per-hop launch + host sync of LASP-1's send/recv (s)", "value": launch,
@@ -243,24 +189,35 @@ def validate(quick: bool = False) -> dict:
     flat = dataclasses.replace(link, ranks_per_node=p, nics_per_node=p)  # every rank inside one NVLink domain
     sensitivity.append({"effect": "flat NVLink over all P ranks (no node boundary)", "value": "nvlink-a100",
                         "predicted": ratio(at(flat))})  # fmt: skip
-    sensitivity.append({"effect": "decoder layers only (no embedding / lm_head / grad all-reduce / Adam)",
-                        "value": "layers only", "predicted": ratio(at(with_outside=False))})  # fmt: skip
-    ring_rest = outside[("ring", n0)]
-    ring_fixed = ring_rest["head"] + ring_rest["adam"] + ring_rest["grad_all_reduce"]
-    ring_bound = _ring_flash_bound(shape, n0, p, dm) + ring_fixed
+    parts = {m: step_parts(runs[(m, n0)], dm, link) for m in METHODS}
+    # The step less what a trainer adds to the model's forward and backward (the same for every method).
+    model_only = {(m, n0): x["step_s"] - x["grad_all_reduce"] - x["optimizer_s"] for m, x in parts.items()}
+    sensitivity.append({"effect": "the model's forward + backward only (no gradient all-reduce, no optimizer)",
+                        "value": "model only", "predicted": ratio(model_only)})  # fmt: skip
+    # Megatron-Core's default reduces the gradients in bf16: half the bytes of the zoo's fp32 all-reduce.
+    bf16 = {(m, n0): x["step_s"] - x["grad_all_reduce"]
+            + collective_time("all_reduce", 2 * runs[(m, n0)].shard_params, p, link) for m, x in parts.items()}  # fmt: skip
+    sensitivity.append({"effect": "gradient all-reduce in bf16 (Megatron-Core's default; the zoo's is fp32)",
+                        "value": "bf16", "predicted": ratio(bf16)})  # fmt: skip
+    fsdp = {(m, n0): train_step(record(shape, m, n0, p, fsdp=True), dm, link)["step_s"] for m in ("lasp2", "lasp1")}
+    sensitivity.append({"effect": "FSDP2 over the P sp ranks (the zoo's default engine) instead of the replicated "
+                                  "trainer", "value": "fsdp", "predicted": ratio(fsdp)})  # fmt: skip
+    ring = parts["ring"]
+    ring_bound = _ring_flash_bound(shape, n0, p, dm) + ring["optimizer_s"] + ring["grad_all_reduce"]
     sensitivity.append({"effect": "ring attention as flash kernels, FLOP lower bound (T_ring / T_LASP-2)",
                         "value": "flash lower bound", "predicted": ring_bound / base[("lasp2", n0)]})  # fmt: skip
 
-    lay = {m: layer_time(runs[(m, n0)], dm, link, p) for m in METHODS}
-    rest = outside[("lasp2", n0)]
     notes = [
-        f"Per layer at N={n0}, P={p} (rank P-1, forward + backward, ms): "
-        + "; ".join(f"{m}: {1e3 * lay[m]['time']:.3f} (compute {1e3 * lay[m]['compute']:.3f}, link busy "
-                    f"{1e3 * lay[m]['busy']:.3f}, exposed {1e3 * lay[m]['exposed']:.3f})" for m in METHODS),
-        f"Outside the layers (LASP-2 model, {rest['params'] / 1e9:.3f}B parameters, s): lm_head + loss + embedding "
-        f"{rest['head']:.4f}, gradient all-reduce {rest['grad_all_reduce']:.4f}, Adam {rest['adam']:.4f}.",
-        "The layers are recorded once (one layer) and multiplied by the layer count: each layer issues and waits its "
-        "own collectives, so nothing overlaps across layers in this code.",
+        f"One training step at N={n0}, P={p} (rank P-1, s): "
+        + "; ".join(f"{m}: {x['step_s']:.4f} (compute {x['compute_s']:.4f}, link busy {x['busy_s']:.4f}, exposed "
+                    f"{x['exposed_s']:.4f} of which the gradient all-reduce {x['grad_all_reduce']:.4f}, contention "
+                    f"{x['contention_s']:.4f}, optimizer {x['optimizer_s']:.4f})" for m, x in parts.items()),
+        f"The LASP-2 model has {runs[('lasp2', n0)].all_params / 1e9:.3f}B parameters (embedding and lm_head at a "
+        "128K vocabulary included), all of them on every rank (replicated trainer).",
+        "The whole model is recorded (16 layers, embedding, lm_head and loss, forward and backward, then the "
+        "optimizer; eval.simulator.training), where this row once multiplied one recorded layer by 16 and added a "
+        "hand-assembled rest (bf16 gradient all-reduce, 28 B of Adam traffic per parameter, no contention on it): "
+        "that gave 1.054x over LASP-1 and 126x over ring attention at 2048K.",
         "LASP-1 here is parallel/sequence.py's synchronous ring (every rank passes its best prefix at each of the "
         "P-1 hops, each hop waited before the next): every layer and pass pays P-1 hops, each as slow as a node "
         "boundary's. The reference lasp_naive.py chains blocking recv -> the chunk's kernel -> send instead, so its "
@@ -274,8 +231,8 @@ def validate(quick: bool = False) -> dict:
         "headline's run differs in some memory setting the paper does not give.",
         "Over LASP-1 the only difference in this code is LASP-1's 2 (P-1) hops per layer against LASP-2's two "
         "all-gathers (same bytes): the ratio follows the per-hop cost (sensitivity: host cost per hop 0..200 us); "
-        "a larger share of the step outside the layers (lm_head at a 128K vocabulary, the gradient all-reduce) "
-        "dilutes it.",
+        "a larger share of the step outside the layers (lm_head at a 128K vocabulary, the gradient all-reduce, the "
+        "optimizer) dilutes it.",
         "Table 6's LASP-2 throughput is proportional to N from 2K to 8K at every GPU count (about 1.6 s per step "
         "whatever N or P): the paper's step has a fixed cost of that size which this prediction does not have; the "
         "absolute tokens/s cells show it.",
@@ -290,8 +247,8 @@ def validate(quick: bool = False) -> dict:
                    f"LinearAttention), P = {p} ranks on {link.name} ({p // link.ranks_per_node} nodes x "
                    f"{link.ranks_per_node}; NVLink 3 230 GB/s inside, 200 Gb/s HDR per GPU between, p2p launch "
                    f"{link.p2p_launch_s * 1e6:.0f} us per hop), a100-sxm with the committed device model, batch "
-                   f"{BATCH}, N = {s['lengths']}, one training step of rank P-1 (layers forward + backward, embedding, "
-                   "lm_head and loss, gradient all-reduce, Adam); throughput = N / step; second headline cell: "
+                   f"{BATCH}, N = {s['lengths']}, one training step of rank P-1 (eval.simulator.training: the whole model's "
+                   "forward + backward, the replicated trainer's fp32 gradient all-reduce, AdamW); throughput = N / step; second headline cell: "
                    "+36.6% over ring attention (1.366x), the repository's ring attention on softmax layers",
         "published": None if quick else PUBLISHED["lasp1"],
         "predicted": headline,
