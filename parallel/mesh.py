@@ -3,7 +3,7 @@
 `init_mesh(tp=2)` inside torchrun (or with explicit `rank`/`world_size`) starts the default process
 group (gloo on CPU, nccl on CUDA) and returns a mesh with named dimensions ("dp", "ep", "sp", "tp",
 outermost first). `init_mesh(tp=4, fake=True)` builds a real 4-way mesh in ONE process on PyTorch's
-fake process group: the simulated-link bench plays rank 0 of it.
+fake process group: the simulated-link bench plays rank 0 of it (or `rank`).
 
 Every process group of a mesh dimension remembers its dimension name (`group_dim`), so the simulated
 link can time a collective on that dimension's link (`parallel.comm.set_mode("simulated",
@@ -58,7 +58,7 @@ def init_mesh(
             dist.destroy_process_group()
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank or 0, world_size=size)
     elif not dist.is_initialized():
         world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))

@@ -69,6 +69,13 @@ def test_fsdp_collectives_where_fsdp2_issues_them():
     assert kinds(fsdp=False) == {"all_reduce": 1}
 
 
+def test_replicated_trainer_reduces_experts_over_dp_only():
+    """Without FSDP (parallel.grad_sync): the replicated gradients all-reduced over dp x ep, the experts' over dp."""
+    run = record_training("moe", models.get("moe").tiny(), TrainLayout(dp=2, ep=2, fsdp=False, seq_len=16))
+    issued = [(args[0], args[2]) for name, args, _ in run.recorder.calls if name == "issue" and args[0] == "all_reduce"]
+    assert issued[-2:] == [("all_reduce", 4), ("all_reduce", 2)]
+
+
 def test_grad_accumulation_and_optimizer():
     c = _llama()
     one = record_training("llama", c, TrainLayout(dp=2, seq_len=16)).predict(H100, "nvlink-h100")

@@ -23,12 +23,13 @@ What is recorded (one rank, rank 0, of the dp x ep x sp x tp mesh; every aten op
   backward ends (when the next one's begins), all waited at the end of the backward (FSDP2's root waits them
   before the optimizer). All collectives of a rank share one FIFO link per preset (parallel.link.VirtualClock):
   the gathers and reduce-scatters queue behind each other and behind the layout's collectives;
-- without FSDP (`fsdp=False`: parallel/grad_sync.py's trainer) one fp32 all-reduce of every gradient after the
-  backward, exposed.
+- without FSDP (`fsdp=False`: parallel/grad_sync.py's trainer) fp32 all-reduces after the backward, exposed: the
+  replicated parameters' gradients over dp x ep x sp, the experts' over dp x sp.
 
 A step: `grad_accum` micro-batches (the trainer reduce-scatters each), then the optimizer over this rank's shard:
 AdamW plus the gradient norm's clipping, memory-bound: `OPTIMIZER_BYTES_PER_PARAM` of HBM traffic per fp32
-element of the shard, plus the norm's all-reduce of one number over every rank.
+element of the shard, plus the norm's all-reduce of one number over every rank. Overlapped communication is charged
+the device model's contention, as in the generation replay.
 
 MFU (`mfu`) is the model FLOPs utilisation as PaLM and torchtitan define it: the forward + backward FLOPs of the
 tokens (eval.throughput.flops_per_token: the trainer's own count, without the recomputation) per second, over the
@@ -47,7 +48,7 @@ import models
 import parallel
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.kernels import fla_intra, flash_attention
-from eval.simulator.replay import NO_COMM
+from eval.simulator.replay import bandwidth_share
 from parallel import comm
 from parallel.fsdp import is_expert, unit_modules
 from parallel.layout import shard_specs
@@ -63,6 +64,7 @@ OPTIMIZER_KERNELS = (
     3  # the norm, the clip, the fused step (multi-tensor kernels: overhead, not bytes, per launch)
 )
 FSDP_DIM, EXPERT_DIM = "fsdp", "fsdp_experts"  # the link names the FSDP collectives are issued on
+RECORDING_LINK = "nvlink-h100"  # what the recording clock times collectives on (any link with a positive time)
 
 
 @dataclass(frozen=True)
@@ -262,12 +264,10 @@ class FSDPSchedule:
         self._pending = []
 
 
-def build_training_meta(
-    arch: str, config, layout: TrainLayout, dtype: torch.dtype = torch.bfloat16
-) -> nn.Module:
-    """`arch` on the meta device in `dtype`, laid out for `layout` on a fake mesh (rank 0's shards), activation
+def build_training_meta(arch: str, config, layout: TrainLayout, dtype=torch.bfloat16, rank: int = 0) -> nn.Module:
+    """`arch` on the meta device in `dtype`, laid out for `layout` on a fake mesh (rank `rank`'s shards), activation
     checkpointing applied as the trainer applies it. The mesh stays up until `eval.simulator.replay.release()`."""
-    mesh = parallel.init_mesh(**layout.degrees, fake=True)
+    mesh = parallel.init_mesh(**layout.degrees, fake=True, rank=rank)
     with torch.device("meta"):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
@@ -285,25 +285,32 @@ class TrainingRecording:
     counts: dict
     shard_params: int  # fp32 elements the optimizer updates on this rank
     all_params: int  # the whole model's (every rank's parameters once)
-    model_flops_per_token: float  # forward + backward, no recomputation (eval.throughput)
+    model_flops_per_token: float | None  # forward + backward, no recomputation (eval.throughput); None: not counted
     world_size: int
 
-    def predict(self, device: DeviceModel, link, links_by_dim: dict | None = None) -> dict:
+    def predict(self, device: DeviceModel, link) -> dict:
         """Step time, tokens/s per device, MFU and exposed communication on `device` and `link` (one preset for
-        every collective, or {dimension: preset} with `fsdp` / `fsdp_experts` for FSDP's own)."""
+        every collective, or {dimension: preset} with `fsdp` / `fsdp_experts` for FSDP's own). Overlapped
+        communication is charged the device model's contention, as the generation replay charges it
+        (eval.simulator.replay.Phase.replay: NCCL's kernels share the SMs and HBM with the compute they overlap)."""
         times = self.clock.times(device)
         marks = self.recorder.replay(link, times)
         forward, micro = marks[0], marks[-1]
+        overlapped = max(0.0, micro["busy"] - micro["exposed"])
+        contention = device.contention_at(bandwidth_share(self.recorder.calls, link)) * overlapped
+        micro_s = micro["time"] + contention
         optimizer = self.optimizer_time(device, link)
-        step = self.layout.grad_accum * micro["time"] + optimizer
+        step = self.layout.grad_accum * micro_s + optimizer
         tokens = self.layout.tokens_per_step
         peak = device.device.peak_flops
         recorded = sum(self.clock.flops)
         return {
             "step_s": step,
-            "micro_batch_s": micro["time"],
+            "micro_batch_s": micro_s,
             "forward_s": forward["time"],
             "backward_s": micro["time"] - forward["time"],
+            "contention_s": contention * self.layout.grad_accum,
+            "overlapped_s": overlapped * self.layout.grad_accum,
             "optimizer_s": optimizer,
             "compute_s": times[-1],
             "exposed_s": micro["exposed"] * self.layout.grad_accum,
@@ -311,7 +318,7 @@ class TrainingRecording:
             "busy_s": micro["busy"] * self.layout.grad_accum,
             "tokens_per_s": tokens / step,
             "tokens_per_s_per_device": tokens / step / self.world_size,
-            "mfu": self.model_flops_per_token * tokens / step / (self.world_size * peak),
+            "mfu": math.nan if self.model_flops_per_token is None else self.model_flops_per_token * tokens / step / (self.world_size * peak),
             "hfu": recorded * self.layout.grad_accum / step / peak,
         }
 
@@ -333,18 +340,22 @@ def shard_params(model: nn.Module, layout: TrainLayout) -> int:
 
 
 def record_training(
-    arch: str, config, layout: TrainLayout, kernels: str = "gpu", fuse_pointwise: bool = True
+    arch: str, config, layout: TrainLayout, kernels: str = "gpu", fuse_pointwise: bool = True, rank: int = 0,
+    model_flops: bool = True,
 ) -> TrainingRecording:
     """One micro-batch's forward and backward of `arch` at `layout`, recorded for replay (module docstring).
     `kernels="gpu"` charges flash attention's backward and fla's chunk kernel as the GPU runs them; "as_run" every
     aten op as the meta device runs it. `fuse_pointwise`: elementwise ops fused into their neighbours (a compiled
-    step, `trainer.compile=true`); False charges each as a kernel of its own (eager)."""
+    step, `trainer.compile=true`); False charges each as a kernel of its own (eager). `rank`: the rank played
+    (a step is set by its slowest rank: sequence parallelism's last chunk). `model_flops=False` skips MFU's
+    numerator (eval.throughput counts it on the whole unsharded model at the full length: slow for the linear
+    models' CPU chunked kernel at millions of tokens); `mfu` is then NaN."""
     from eval.throughput import flops_per_token
 
     if kernels not in ("gpu", "as_run"):
         raise ValueError(f"kernels={kernels!r} must be 'gpu' or 'as_run'.")
-    model_flops = flops_per_token(arch, config, layout.seq_len).train
-    model = build_training_meta(arch, config, layout)
+    flops = flops_per_token(arch, config, layout.seq_len).train if model_flops else None
+    model = build_training_meta(arch, config, layout, rank=rank)
     try:
         shard = shard_params(model, layout)
         root, layers = fsdp_units(model)
@@ -357,12 +368,13 @@ def record_training(
             if kernels == "gpu":
                 stack.enter_context(flash_attention(clock))
                 for module in model.modules():
-                    if callable(
-                        getattr(module, "intra_chunk", None)
-                    ):  # a linear-attention mixer's chunk kernel
+                    if callable(getattr(module, "intra_chunk", None)):  # a linear-attention mixer's chunk kernel
                         module.intra_chunk = fla_intra(clock, module.intra_chunk)
+            # Recorded on a link where every collective takes time (the replay decides the real link): the
+            # recorder keys the collective a wait refers to by its ready time, which must be distinct; on a free
+            # link two collectives issued back to back would be ready at the same time.
             vclock = stack.enter_context(
-                comm.use_mode("simulated", link=NO_COMM, world_size=world, now=clock.mark)
+                comm.use_mode("simulated", link=RECORDING_LINK, world_size=world, now=clock.mark)
             )
             recorder = ClockRecorder(vclock)
             comm.reset_counters()
@@ -372,19 +384,17 @@ def record_training(
             vclock.elapsed()  # mark: end of the forward
             schedule.start_backward()
             loss.backward()
-            if (
-                not layout.fsdp and layout.dp * layout.ep * layout.sp > 1
-            ):  # grad_sync: one all-reduce, exposed
-                ready = vclock.issue("all_reduce", 4 * shard, layout.dp * layout.ep * layout.sp, FSDP_DIM)
-                vclock.wait(ready)
+            if not layout.fsdp:  # parallel.grad_sync: all-reduces after the backward, exposed
+                for numel, ranks, dim in ((root.replicated + sum(u.replicated for u in layers), layout.dp * layout.ep * layout.sp, FSDP_DIM),
+                                          (root.experts + sum(u.experts for u in layers), layout.dp * layout.sp, EXPERT_DIM)):  # fmt: skip
+                    if numel and ranks > 1:  # experts: over dp x sp only (the all-to-all summed them over ep)
+                        vclock.wait(vclock.issue("all_reduce", 4 * numel, ranks, dim))
             schedule.end_backward()
             vclock.elapsed()  # mark: end of the backward
         for h in hooks:
             h.remove()
         all_params = _whole_model_params(model, layout)
-        return TrainingRecording(
-            layout, clock, recorder, comm.snapshot_counters(), shard, all_params, model_flops, world
-        )
+        return TrainingRecording(layout, clock, recorder, comm.snapshot_counters(), shard, all_params, flops, world)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
