@@ -199,3 +199,29 @@ def test_plan_app(tmp_path, task):
         assert "-m train.pretrain model=llama" in result["command"] and "parallel.dp=" in result["command"]
     else:
         assert {r["label"] for r in result["rows"]} >= {"1 GPU", "tp2"}
+
+
+def test_bench_training_section(tmp_path):
+    """`eval.bench bench_preset=train`: each layout predicted and measured side by side; the predicted row is the
+    training replay's own prediction, the measured row a real step of this machine."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eval.bench.app import run_bench, settings_of
+    from eval.simulator.heldout import _BENCH_YAML, device_model
+
+    overrides = ["bench_preset=train", "bench_shape=tiny", "archs=[llama,ladder]", "training.seq_len=32",
+                 "training.repeats=1", "training.warmup=0", "training.ac=[none]", "training.layouts=[{dp: 2}]"]  # fmt: skip
+    with initialize_config_dir(str(_BENCH_YAML.parent), version_base="1.3"):
+        plain = OmegaConf.to_container(compose("bench", overrides=overrides), resolve=False)
+    results = run_bench(settings_of(plain), tmp_path)
+    rows = results["training"]
+    assert [(r["arch"], r["compute"]) for r in rows] == [
+        ("llama", "h100-sxm"), ("llama", "measured (this CPU)"), ("ladder", "h100-sxm"), ("ladder", "measured (this CPU)")
+    ]
+    layout = TrainLayout(dp=2, micro_batch=2, seq_len=32)
+    config = models.get("llama").bench_config({k: v for k, v in plain["bench_shape"].items() if k != "name"}, {})
+    expected = record_training("llama", config, layout).predict(device_model("h100-sxm"), "nvlink-h100")
+    assert rows[0]["step_ms"] == pytest.approx(1e3 * expected["step_s"])
+    assert rows[1]["step_ms"] > 0 and rows[1]["achieved_tflops"] > 0
+    assert "## Training steps" in (tmp_path / "README.md").read_text()

@@ -2,7 +2,8 @@
 
 `run_bench` checks every setting first (`check_settings`: the generation section's and each other section's
 own), then runs each section that is on: generation over the degree points (eval.bench.generation), expert
-throughput (eval.bench.moe), sequence parallelism (eval.bench.sp), decode paths (eval.bench.decode_paths); it
+throughput (eval.bench.moe), sequence parallelism (eval.bench.sp), decode paths (eval.bench.decode_paths),
+training steps (eval.bench.training); it
 adds the comparisons, writes results.json, README.md and the plots (eval.bench.report) and logs to W&B if asked.
 The schema of results.json is the keys of `results` below.
 """
@@ -42,6 +43,7 @@ from eval.bench.sp import (
     sp_bytes_rows,
 )
 from eval.bench.sp_report import add_sp_comparisons
+from eval.bench.training import check_training, training_rows
 from parallel.link import LINK_PRESETS
 
 
@@ -55,6 +57,7 @@ def rows_written(results: dict) -> str:
         (len(results.get("expert_throughput") or []), "expert-throughput rows"),
         (timed + counted, f"sequence-parallel rows ({timed} timed, {counted} bytes)"),
         (len((results.get("decode_paths") or {}).get("rows") or []), "decode-path rows"),
+        (len(results.get("training") or []), "training rows"),
     ]
     parts = [f"{n} {what}" for n, what in parts if n]
     return ", ".join(parts) or "no rows (every section off or skipped)"
@@ -68,6 +71,7 @@ def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     check_expert_throughput(cfg)
     check_sequence_parallel(cfg)
     check_decode_paths(cfg)
+    check_training(cfg)
     return archs_at_all_points(resolved)
 
 
@@ -145,6 +149,11 @@ def _run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None, command: str) -
     if (cfg.get("decode_paths") or {}).get("enabled"):
         paths = decode_paths(cfg, device, dtype)
         print(f"[bench] decode paths done ({time.perf_counter() - started:.0f} s)", flush=True)
+    training = []
+    if (cfg.get("training") or {}).get("enabled"):
+        training, notes = training_rows(cfg)
+        skipped += notes
+        print(f"[bench] training done ({time.perf_counter() - started:.0f} s)", flush=True)
     add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
     # The virtual clock counting Python time as compute: a measured-compute artefact only.
     slow_clock = None if predicted(cfg) else clock_note(rows, cfg["baseline"])
@@ -167,6 +176,7 @@ def _run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None, command: str) -
         "expert_throughput": experts,
         "sequence_parallel": sp,
         "decode_paths": paths,
+        "training": training,
     }
     images = report.write_files(results, out_dir)
     if wandb_cfg:

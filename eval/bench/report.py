@@ -16,6 +16,7 @@ from eval.bench.generation_report import (
 from eval.bench.moe_report import MOE_PLOTS, moe_sections, plot_a2a_exposed, plot_expert_throughput
 from eval.bench.settings import degrees_label
 from eval.bench.sp_report import SP_PLOTS, sp_plots, sp_section
+from eval.bench.training import training_section
 
 
 def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
@@ -52,6 +53,7 @@ def write_readme(results: dict, images: dict[str, Path], out_dir: Path) -> Path:
     lines += moe_sections(results, images)
     lines += sp_section(results, images)
     lines += decode_paths_section(results, images)
+    lines += training_section(results)
     lines += ["## Link presets", ""]
     lines.append(
         report.write_markdown_table(

@@ -339,6 +339,26 @@ def shard_params(model: nn.Module, layout: TrainLayout) -> int:
     return total
 
 
+def run_step(model: nn.Module, layout: TrainLayout, vclock, schedule: "FSDPSchedule", ids: torch.Tensor) -> None:
+    """One micro-batch's forward and backward on the simulated link's clock `vclock`, FSDP2's collectives by
+    `schedule`, the replicated trainer's gradient all-reduces after the backward; two marks (`elapsed`): the end
+    of the forward and of the backward."""
+    vclock.start()
+    schedule.start_forward()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    vclock.elapsed()  # mark: end of the forward
+    schedule.start_backward()
+    loss.backward()
+    if not layout.fsdp:  # parallel.grad_sync: all-reduces after the backward, exposed
+        root, layers = schedule.root, schedule.layers
+        for numel, ranks, dim in ((root.replicated + sum(u.replicated for u in layers), layout.dp * layout.ep * layout.sp, FSDP_DIM),
+                                  (root.experts + sum(u.experts for u in layers), layout.dp * layout.sp, EXPERT_DIM)):  # fmt: skip
+            if numel and ranks > 1:  # experts: over dp x sp only (the all-to-all summed them over ep)
+                vclock.wait(vclock.issue("all_reduce", 4 * numel, ranks, dim))
+    schedule.end_backward()
+    vclock.elapsed()  # mark: end of the backward
+
+
 def record_training(
     arch: str, config, layout: TrainLayout, kernels: str = "gpu", fuse_pointwise: bool = True, rank: int = 0,
     model_flops: bool = True,
@@ -378,19 +398,7 @@ def record_training(
             )
             recorder = ClockRecorder(vclock)
             comm.reset_counters()
-            vclock.start()
-            schedule.start_forward()
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            vclock.elapsed()  # mark: end of the forward
-            schedule.start_backward()
-            loss.backward()
-            if not layout.fsdp:  # parallel.grad_sync: all-reduces after the backward, exposed
-                for numel, ranks, dim in ((root.replicated + sum(u.replicated for u in layers), layout.dp * layout.ep * layout.sp, FSDP_DIM),
-                                          (root.experts + sum(u.experts for u in layers), layout.dp * layout.sp, EXPERT_DIM)):  # fmt: skip
-                    if numel and ranks > 1:  # experts: over dp x sp only (the all-to-all summed them over ep)
-                        vclock.wait(vclock.issue("all_reduce", 4 * numel, ranks, dim))
-            schedule.end_backward()
-            vclock.elapsed()  # mark: end of the backward
+            run_step(model, layout, vclock, schedule, ids)
         for h in hooks:
             h.remove()
         all_params = _whole_model_params(model, layout)
