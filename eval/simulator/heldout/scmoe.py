@@ -182,6 +182,11 @@ def arch_of(stage: Stage, variant: str) -> str:
     return "moe" if stage.fixed or variant in ("top2", "top1") else "scmoe"
 
 
+def stage_model(stage: Stage, variant: str) -> tuple[str, object]:
+    """(architecture, config) of a stage's stand-in (what scmoe_train records)."""
+    return arch_of(stage, variant), config_of(stage, variant)
+
+
 @dataclass
 class Recorded:
     """A stage's recorded forward, and the [start, end) op marks of each MoE block's routed part (its `SparseMoE`:
@@ -289,12 +294,12 @@ def validate(quick: bool = False) -> dict:
          "predicted": swin_nvlink["hidden"], "what": "Figure 8(b)'s setting: the Swin stand-in on a800 + nvlink-a800"},
     ]  # fmt: skip
     cells += _other_cells(quick, ep, models_of)
-    train_cells = scmoe_train.cells(ep, models_of, MACHINES)
+    train_cells = scmoe_train.cells(ep, models_of, MACHINES, stage_model)
     cells += train_cells
     published = geomean(PUBLISHED.values())
     predicted = geomean([cells[0]["predicted"], cells[1]["predicted"]])
     sensitivity = _sensitivity(quick, ep, models_of)
-    train_sensitivity = scmoe_train.sensitivity(ep, models_of)
+    train_sensitivity = scmoe_train.sensitivity(ep, models_of, stage_model)
     sensitivity += train_sensitivity
     return {
         "paper": "ScMoE (Cai, Jiang, Qin, Cui, Kim, Huang, ICML 2025)",

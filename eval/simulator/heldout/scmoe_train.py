@@ -43,16 +43,17 @@ def layout_of(stage, ep: int) -> TrainLayout:
 
 
 @cache  # a recording serves every device model and link
-def record(stage, variant: str, ep: int):
-    from eval.simulator.heldout.scmoe import arch_of, config_of
+def record(stage, variant: str, ep: int, build):
+    """`build(stage, variant)` -> (architecture, config): scmoe.py's stand-in of the stage (passed in, not
+    imported: scmoe.py imports this module)."""
+    arch, config = build(stage, variant)
+    return record_training_at(arch, config, layout_of(stage, ep))
 
-    return record_training_at(arch_of(stage, variant), config_of(stage, variant), layout_of(stage, ep))
 
-
-def predict(stages: list, device, link, ep: int, variant: str = "scmoe") -> dict:
+def predict(stages: list, device, link, ep: int, build, variant: str = "scmoe") -> dict:
     """{speedup of `variant` over top-2, and each one's step seconds}: one training step, the stages' steps added."""
     steps = {
-        v: sum(train_step(record(s, v, ep), device, link)["step_s"] for s in stages)
+        v: sum(train_step(record(s, v, ep, build), device, link)["step_s"] for s in stages)
         for v in ("top2", variant)
     }
     return {
@@ -62,12 +63,12 @@ def predict(stages: list, device, link, ep: int, variant: str = "scmoe") -> dict
     }
 
 
-def cells(ep: int, models_of: dict, machines: dict) -> list[dict]:
+def cells(ep: int, models_of: dict, machines: dict, build) -> list[dict]:
     """The two training speed-ups over top-2 (Tables 1 and 2) at the inference cells' settings."""
     out = []
     for machine in ("pcie", "nvlink"):
         device, link = machines[machine]
-        r = predict(models_of[machine], device_model(device), link, ep)
+        r = predict(models_of[machine], device_model(device), link, ep, build)
         out.append({
             "label": f"{NAMES[machine]}: training speed-up over top-2 (not the headline)",
             "published": PUBLISHED[machine], "predicted": r["speedup"],
@@ -79,7 +80,7 @@ def cells(ep: int, models_of: dict, machines: dict) -> list[dict]:
     return out
 
 
-def sensitivity(ep: int, models_of: dict) -> list[dict]:
+def sensitivity(ep: int, models_of: dict, build) -> list[dict]:
     """The PCIe training cell under the effects the inference cells' misses name (scmoe._lacks): contention on
     the PCIe link, the PCIe all-to-all's bandwidth, the stages ScMoE leaves unchanged."""
     stages = models_of["pcie"]
@@ -90,13 +91,13 @@ def sensitivity(ep: int, models_of: dict) -> list[dict]:
     stage3 = [s for s in stages if s.moe and not s.fixed]
     return [
         {"effect": what + "no contention for overlapped communication (contention = contention_bw = 0)",
-         "value": "pcie", "predicted": predict(stages, free, "pcie4", ep)["speedup"]},
+         "value": "pcie", "predicted": predict(stages, free, "pcie4", ep, build)["speedup"]},
         {"effect": what + "PCIe all-to-all bandwidth halved (traffic between CPU sockets; not measured)",
-         "value": "12 GB/s", "predicted": predict(stages, device_model("a30"), half, ep)["speedup"]},
+         "value": "12 GB/s", "predicted": predict(stages, device_model("a30"), half, ep, build)["speedup"]},
         {"effect": what + "both: PCIe bandwidth halved and no contention", "value": "12 GB/s, 0",
-         "predicted": predict(stages, free, half, ep)["speedup"]},
+         "predicted": predict(stages, free, half, ep, build)["speedup"]},
         {"effect": what + "SwinV2 stage 3 alone (the stages ScMoE does not change left out)", "value": "pcie",
-         "predicted": predict(stage3, device_model("a30"), "pcie4", ep)["speedup"]},
+         "predicted": predict(stage3, device_model("a30"), "pcie4", ep, build)["speedup"]},
     ]  # fmt: skip
 
 
