@@ -225,3 +225,18 @@ def test_bench_training_section(tmp_path):
     assert rows[0]["step_ms"] == pytest.approx(1e3 * expected["step_s"])
     assert rows[1]["step_ms"] > 0 and rows[1]["achieved_tflops"] > 0
     assert "## Training steps" in (tmp_path / "README.md").read_text()
+
+
+def test_inference_memory_static_cache_by_hand():
+    """Generation's memory: the weights in bf16 and the static K/V cache of max_len tokens (2 x layers x batch x
+    max_len x KV heads x head_dim x 2 bytes), at TP 1 and TP 2 (each rank its KV heads)."""
+    from eval.simulator.memory import predict_inference_memory
+
+    c = _llama()
+    hd = c.hidden_size // c.num_attention_heads
+    for tp in (1, 2):
+        m = predict_inference_memory("llama", models.get("llama").tiny_at({"tp": tp}), {"tp": tp}, batch=3, prompt_len=8, max_len=64)
+        cache = 2 * c.num_hidden_layers * 3 * 64 * (c.num_key_value_heads // tp) * hd * 2
+        assert m["cache_and_state_bytes"] >= cache
+        assert m["cache_and_state_bytes"] == pytest.approx(cache, rel=0.05)  # + the cache's fill level, the prompt
+        assert m["peak_bytes"] >= m["weights_bytes"] + cache
