@@ -92,6 +92,24 @@ def test_grouped_mm_equals_per_expert_loop(dtype):
     grouped(x, counts).sum().backward()
 
 
+@pytest.mark.parametrize("path", ["grouped_mm", "padded"])
+def test_fp32_experts_take_bf16_activations(path):
+    """FSDP2's bf16 mixed precision leaves experts outside FSDP at dp x sp = 1 in fp32 (parallel.fsdp): a bf16
+    input is computed as autocast would (the weights cast for the matmul), bf16 out, fp32 gradients."""
+    experts = make_experts()  # fp32
+    counts = [3, 1, 4, 2]
+    x = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(3))
+    if path == "grouped_mm":
+        out, ref = experts(x.bfloat16(), counts), experts(x, counts)
+    else:
+        rows = x[:8].view(E, 2, D)
+        out, ref = experts.forward_padded(rows.bfloat16()), experts.forward_padded(rows)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2)
+    out.float().sum().backward()
+    assert experts.gate_proj.grad.dtype == torch.float32 and experts.gate_proj.grad.abs().sum() > 0
+
+
 def test_loop_fallback_for_float64():
     experts = make_experts().double()
     x = torch.randn(5, D, dtype=torch.float64)

@@ -240,3 +240,20 @@ def test_inference_memory_static_cache_by_hand():
         assert m["cache_and_state_bytes"] >= cache
         assert m["cache_and_state_bytes"] == pytest.approx(cache, rel=0.05)  # + the cache's fill level, the prompt
         assert m["peak_bytes"] >= m["weights_bytes"] + cache
+
+
+@pytest.mark.parametrize("degrees", [{"dp": 2, "ep": 2}, {"ep": 2}], ids=["dp2_ep2", "ep2"])
+def test_moe_memory_and_step_at_expert_parallel_layouts(degrees):
+    """FSDP2 over dp x ep with the experts over dp (their own flattened mesh, made before the fake mode), or left
+    out of FSDP at dp 1 (fp32 experts under bf16 mixed precision): memory and time replay; the experts' shards by
+    hand (4 local experts' weights of 2 on this ep rank, over dp)."""
+    c = models.get("moe").tiny()
+    layout = TrainLayout(**degrees, seq_len=32)
+    memory = predict_training_memory("moe", c, layout)
+    run = record_training("moe", c, layout)
+    moe_layers = c.num_hidden_layers // c.moe_layer_freq
+    local_experts = 3 * c.hidden_size * c.intermediate_size * c.num_local_experts // layout.ep * moe_layers
+    replicated = run.all_params - local_experts * layout.ep
+    assert run.shard_params == replicated // (layout.dp * layout.ep) + local_experts // layout.dp
+    assert run.shard_params * 4 == pytest.approx(memory.params_bytes, rel=0.02)
+    assert run.predict(H100, "nvlink-h100")["step_s"] > 0

@@ -40,7 +40,7 @@ import models
 import parallel
 from eval.simulator.training import TrainLayout, shard_params
 from parallel import comm
-from parallel.fsdp import apply_fsdp
+from parallel.fsdp import TOKEN_DIMS, apply_fsdp, fsdp_mesh
 from train.activation_checkpointing import apply_activation_checkpointing
 
 GiB = 2**30
@@ -80,6 +80,10 @@ def predict_training_memory(
     """Peak bytes per rank of a training step of `arch` at `layout` (module docstring)."""
     mesh = parallel.init_mesh(**layout.degrees, fake=True)
     try:
+        # FSDP's flattened meshes made before the fake mode (a mesh's own tensor of ranks must be real); apply_fsdp
+        # finds them made.
+        fsdp_mesh(mesh)
+        fsdp_mesh(mesh, tuple(d for d in TOKEN_DIMS if d != "ep"))
         with FakeTensorMode(), comm.use_mode("none"):
             fsdp = layout.fsdp and layout.fsdp_size > 1
             # Without FSDP the replicated trainer's autocast is replayed as a bf16 model (below), built in bf16:

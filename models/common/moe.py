@@ -422,10 +422,11 @@ class GroupedExperts(nn.Module):
         if self._use_loop(x):
             return self._forward_loop(x, counts)
         offsets = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device)
+        gate_w, up_w, down_w = self._weights(x.dtype)
         # grouped_mm computes x @ w[e] per run; nn.Linear-shaped weights [f, d] are read transposed.
-        gate = F.grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
-        up = F.grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
-        out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        gate = F.grouped_mm(x, gate_w.transpose(-2, -1), offs=offsets)
+        up = F.grouped_mm(x, up_w.transpose(-2, -1), offs=offsets)
+        out = F.grouped_mm(F.silu(gate) * up, down_w.transpose(-2, -1), offs=offsets)
         return _ContiguousGrad.apply(out)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
@@ -436,8 +437,16 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts.forward_padded got rows shaped {tuple(x.shape)} for {self.gate_proj.shape[0]} local "
                 "experts; it needs [local experts, rows per expert, hidden]."
             )
-        h = F.silu(torch.bmm(x, self.gate_proj.transpose(-2, -1))) * torch.bmm(x, self.up_proj.transpose(-2, -1))
-        return torch.bmm(h, self.down_proj.transpose(-2, -1))
+        gate_w, up_w, down_w = self._weights(x.dtype)
+        h = F.silu(torch.bmm(x, gate_w.transpose(-2, -1))) * torch.bmm(x, up_w.transpose(-2, -1))
+        return torch.bmm(h, down_w.transpose(-2, -1))
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three weights in the activations' dtype. Where FSDP2's mixed precision casts the model to bf16 but
+        leaves the experts out (dp x sp = 1: parallel.fsdp), they stay fp32 while their input is bf16; the cast
+        here is autocast's (a bf16 copy for the matmul, the gradient reaching the fp32 weight)."""
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        return tuple(w if w.dtype == dtype or not dtype.is_floating_point else w.to(dtype) for w in weights)
 
     def _use_loop(self, x: torch.Tensor) -> bool:
         if self.impl == "loop" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -448,9 +457,10 @@ class GroupedExperts(nn.Module):
     def _forward_loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The reference: one matmul chain per expert (fallback, and what grouped_mm is tested against)."""
         outs = []
+        gate_w, up_w, down_w = self._weights(x.dtype)
         for e, rows in enumerate(x.split(counts)):
-            h = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
-            outs.append(h @ self.down_proj[e].T)
+            h = F.silu(rows @ gate_w[e].T) * (rows @ up_w[e].T)
+            outs.append(h @ down_w[e].T)
         return torch.cat(outs) if outs else x.new_zeros(0, self.down_proj.shape[1])
 
 
