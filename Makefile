@@ -26,7 +26,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=offline $(PY) -m pytest -q
+	WANDB_MODE=offline $(PY) -m pytest -q --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .
