@@ -257,3 +257,12 @@ def test_moe_memory_and_step_at_expert_parallel_layouts(degrees):
     assert run.shard_params == replicated // (layout.dp * layout.ep) + local_experts // layout.dp
     assert run.shard_params * 4 == pytest.approx(memory.params_bytes, rel=0.02)
     assert run.predict(H100, "nvlink-h100")["step_s"] > 0
+
+
+@pytest.mark.parametrize("arch", ["scmoe", "kraken", "ladder"])
+def test_memory_replay_of_units_of_several_modules(arch):
+    """Architectures whose FSDP2 units are a layer's weight-owning modules (parallel.fsdp.unit_modules) replay under
+    FSDP2 (ScMoE's router reads its gate's weight outside the gate's forward: FSDPMemTracker loses that gather)."""
+    c = models.get(arch).tiny_at({"tp": 1})
+    memory = predict_training_memory(arch, c, TrainLayout(dp=2, seq_len=32))
+    assert memory.activations_bytes > 0 and memory.peak_bytes > memory.params_bytes + memory.optimizer_bytes
