@@ -161,10 +161,19 @@ def test_links_by_node():
     assert links_for(TrainLayout(dp=2, tp=4), 8, "nvlink-h100", "ib-hdr-200g")["fsdp"].name == "nvlink-h100"
 
 
-def test_planner_best_fits_and_rejected_do_not():
+def test_planner_best_fits_and_rejected_do_not(monkeypatch):
+    import functools
+
+    import eval.simulator.planner as planner
+
+    # The same layouts planned twice (all, then under a bound): each replayed once.
     c = _llama()
-    kw = dict(gpus=4, gpus_per_node=4, device=H100, seq_len=64, global_batch_tokens=4 * 4 * 64,
-              micro_batches=(1, 2, 4), ac_modes=("none", "full"), fsdp=(True,), tp=[1, 2], log=lambda *_: None)  # fmt: skip
+    for name in ("record_training", "predict_training_memory"):
+        replay = getattr(planner, name)
+        cached = functools.cache(lambda arch, layout, replay=replay: replay(arch, c, layout))
+        monkeypatch.setattr(planner, name, lambda arch, config, layout, cached=cached: cached(arch, layout))
+    kw = dict(gpus=4, gpus_per_node=4, device=H100, seq_len=32, global_batch_tokens=4 * 2 * 32,
+              micro_batches=(1, 2), ac_modes=("none", "full"), fsdp=(True,), tp=[1, 2], log=lambda *_: None)  # fmt: skip
     everything = plan_training("llama", c, memory_gib=1e6, **kw)["rows"]
     peaks = sorted(r["peak_gib"] for r in everything)
     bound = peaks[len(peaks) // 2]  # about half the layouts fit
