@@ -79,18 +79,21 @@ def test_virtual_clock_takes_a_hierarchical_link():
 
 
 def test_lasp1_pays_p_minus_1_hops_each_pass():
+    """The whole model's training step (eval.simulator.training): LASP-1's P-1 ring hops per layer and pass, each
+    paying the host's launch; LASP-2 one all-gather per layer and pass; then the replicated trainer's all-reduce."""
     q = lasp2.QUICK
-    p, n = q["p"], q["headline_n"]
-    run = lasp2.record_layer(q["shape"], "lasp1", n, p)
-    hops = [args for name, args, _ in run["recorder"].calls if name == "issue"]
-    assert [a[0] for a in hops] == ["send_recv"] * (2 * (p - 1))  # P-1 forward, P-1 backward
+    p, n, layers = q["p"], q["headline_n"], q["shape"]["num_hidden_layers"]
+    run = lasp2.record(q["shape"], "lasp1", n, p)
+    issued = [args[0] for name, args, _ in run.recorder.calls if name == "issue"]
+    assert issued == ["send_recv"] * (2 * (p - 1) * layers) + ["all_reduce"]  # forward and backward hops, the sync
     link = dataclasses.replace(lasp2.DGX_A100_IB, ranks_per_node=2, nics_per_node=2)
     dm = lasp2.device_model("a100-sxm")
-    with_launch = lasp2.layer_time(run, dm, link, p)
-    without = lasp2.layer_time(run, dm, dataclasses.replace(link, p2p_launch_s=0.0), p)
-    # every hop's host launch is on the link's busy time and, the hops being waited in turn, on the layer's time
-    assert with_launch["busy"] - without["busy"] == pytest.approx(2 * (p - 1) * link.p2p_launch_s)
-    assert with_launch["time"] - without["time"] >= 2 * (p - 2) * link.p2p_launch_s
-    # LASP-2's layer issues one all-gather per pass, whatever P
-    run2 = lasp2.record_layer(q["shape"], "lasp2", n, p)
-    assert [a[0] for name, a, _ in run2["recorder"].calls if name == "issue"] == ["all_gather", "all_gather"]
+    with_launch = lasp2.step_parts(run, dm, link)
+    without = lasp2.step_parts(run, dm, dataclasses.replace(link, p2p_launch_s=0.0))
+    # every hop's host launch is on the link's busy time and, the hops being waited in turn, on the step's time
+    hops = 2 * (p - 1) * layers
+    assert with_launch["busy_s"] - without["busy_s"] == pytest.approx(hops * link.p2p_launch_s)
+    assert with_launch["step_s"] - without["step_s"] >= (hops - 2 * layers) * link.p2p_launch_s
+    run2 = lasp2.record(q["shape"], "lasp2", n, p)
+    issued2 = [args[0] for name, args, _ in run2.recorder.calls if name == "issue"]
+    assert issued2 == ["all_gather", "all_gather"] * layers + ["all_reduce"]

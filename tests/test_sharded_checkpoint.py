@@ -59,6 +59,7 @@ sc.write_meta = stuck_write_meta
 """
 
 
+@pytest.mark.slow  # 35 s; the one-file checkpoint's kill test (test_train_safety.py) stays in the default run
 def test_kill_during_a_sharded_save_keeps_the_previous_one(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*RUN, "parallel=tp2", "trainer.max_steps=9"]
