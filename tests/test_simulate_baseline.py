@@ -155,7 +155,7 @@ def test_gqa_expand_is_kept_and_programs_are_named_or_a_clear_error():
     with pytest.raises(ValueError, match=r"gqa_expand=True and attention_program='math' disagree"):
         record_generation(None, 1, 1, 1, gqa_expand=True, attention_program="math")
     with pytest.raises(ValueError, match=r"attention_program='mat'; choose one of"):
-        check_settings(bench_settings("compute=h100-sxm", "+attention_program=mat"))
+        check_settings(bench_settings("compute=h100-sxm", "attention_program=mat"))
     assert set(ATTENTION_PROGRAMS) == {"flash", "gqa_expand", "math"}
 
 

@@ -64,8 +64,7 @@ def check_compute(cfg: dict) -> None:
 
 def attention_program(cfg: dict) -> str:
     """How the device model charges attention (`attention_program`, with a device preset: flash by default;
-    gqa_expand or math as the Ladder reference runs it, eval.simulator.device.ATTENTION_PROGRAMS). Not a key of
-    conf/bench.yaml: give it as `+attention_program=math`."""
+    gqa_expand or math as the Ladder reference runs it, eval.simulator.device.ATTENTION_PROGRAMS; conf/bench.yaml)."""
     program = cfg.get("attention_program") or "flash"
     if program not in ATTENTION_PROGRAMS:
         raise ValueError(f"attention_program={program!r}; choose one of {list(ATTENTION_PROGRAMS)}.")
