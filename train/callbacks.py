@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from train.checkpoint_space import tensor_bytes, write_failed
 from train.module import Interrupted
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     is a copy (interruptible halfway) when that directory is on another filesystem, and never fsyncs.
     Here the temp file sits next to the target, so `os.replace` is an atomic rename: a process killed
     at any point leaves either the previous checkpoint or the new one, plus at most a stale `.tmp` that
-    the next save overwrites.
+    the next save overwrites. A write that fails (a full disk) removes its `.tmp` and says so in one line
+    (train.checkpoint_space).
     """
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
@@ -47,11 +49,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            # on disk before the rename, or a power cut could leave the new name on an empty file
-            os.fsync(file.fileno())
+        try:
+            with open(tmp, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                # on disk before the rename, or a power cut could leave the new name on an empty file
+                os.fsync(file.fileno())
+        except (OSError, RuntimeError) as error:  # a full disk: torch.save's RuntimeError follows the OSError
+            tmp.unlink(missing_ok=True)
+            raise write_failed(path, error, tensor_bytes(checkpoint)) from error
         os.replace(tmp, path)
         # and the rename itself on disk
         directory = os.open(path.parent, os.O_RDONLY)

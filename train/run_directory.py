@@ -59,11 +59,18 @@ def checkpoint_problem(path: Path) -> str | None:
 
 def readable_checkpoint(ckpt_path: str, fall_back: bool) -> str:
     """`ckpt_path` if it loads. Otherwise, with `fall_back` (resume=auto), the newest other checkpoint of
-    its directory that loads, with a warning; else a `TrainingError` naming the file."""
+    its directory that loads, with a warning; else a `TrainingError` naming the file. A model that is not a
+    training checkpoint (an HF `hf/` folder or its weights file) is refused, pointing at `+model.init_from`."""
     path = Path(ckpt_path)
     problem = checkpoint_problem(path)
     if problem is None:
         return ckpt_path
+    if problem.startswith(sharded_checkpoint.NOT_A_TRAINING_CHECKPOINT) and not fall_back:
+        raise ValueError(
+            f"resume={ckpt_path} is {problem}: resume continues a run's checkpoint (<run>/checkpoints/last.ckpt, "
+            "a file or a sharded checkpoint's folder); to start a new run from a model's weights pass "
+            "+model.init_from=<its hf/ folder> with resume=never."
+        )
     if fall_back:
         others = sorted(
             (p for p in path.parent.glob("*.ckpt") if p != path), key=lambda p: p.stat().st_mtime, reverse=True
@@ -155,10 +162,14 @@ def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
         return
     resume = str(cfg.get("resume", "auto"))
     last = output_dir / "checkpoints" / "last.ckpt"
-    if resume == "auto" and last.exists():
-        return  # a continuation (check_checkpoint_fits refuses one of another model)
-    if resume not in ("auto", "never") and Path(resume).resolve().parent == last.parent.resolve():
-        return  # an earlier checkpoint of this very run
+    own = resume not in ("auto", "never") and Path(resume).resolve().parent == last.parent.resolve()
+    if cfg.get("overwrite", False) and own:
+        raise ValueError(
+            f"overwrite=true removes the run in {output_dir} while resume={resume} continues from one of its "
+            "checkpoints; pass one of them: overwrite=true resume=never (start over) or the resume alone."
+        )
+    if not cfg.get("overwrite", False) and (own or (resume == "auto" and last.exists())):
+        return  # a continuation of this run (check_checkpoint_fits refuses one of another model)
     if cfg.get("overwrite", False):
         if int(os.environ.get("RANK", "0")) == 0:
             sharded_checkpoint.remove(last)

@@ -41,15 +41,26 @@ def read_meta(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
+NOT_A_TRAINING_CHECKPOINT = "not a training checkpoint"
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".pt", ".pth")
+
+
 def problem(path: str | Path) -> str | None:
-    """Why `path` cannot be resumed from (cut short by a crash, another format), or None if it can."""
+    """Why `path` cannot be resumed from (cut short by a crash, another format), or None if it can. A model that
+    is not a training checkpoint (a Hugging Face folder or weights file) says `NOT_A_TRAINING_CHECKPOINT` first."""
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return f"{NOT_A_TRAINING_CHECKPOINT} but a Hugging Face model folder"
+    if path.is_file() and path.suffix in HF_WEIGHT_SUFFIXES:
+        return f"{NOT_A_TRAINING_CHECKPOINT} but a {path.suffix} file (a model's weights or settings)"
     if path.is_dir() and not (path / ".metadata").is_file():
         return "no .metadata: its shards were never completed"
     try:
-        read_meta(path)
+        meta = read_meta(path)
     except Exception as error:  # any failure to load means the same to the user
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no details'}"
+    if not isinstance(meta, dict) or not {"state_dict", "global_step"} & set(meta):
+        return f"{NOT_A_TRAINING_CHECKPOINT}: it holds no state_dict or global_step"
     return None
 
 

@@ -27,6 +27,7 @@ its sockets close). `train.pretrain` builds this strategy from `parallel.{dp,ep,
 them is above 1, and to resume a sharded checkpoint in one process.
 """
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from parallel.state import (
     load_full_state_dict,
 )
 from train import sharded_checkpoint
+from train.checkpoint_space import tensor_bytes, write_failed
 
 
 class ZooParallelStrategy(ModelParallelStrategy):
@@ -155,9 +157,15 @@ class ZooParallelStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             directory.mkdir(parents=True)
         self.barrier("sharded checkpoint directory")
-        dcp.save(tensors, checkpoint_id=directory)
+        try:
+            dcp.save(tensors, checkpoint_id=directory)  # a rank's failure is raised on every rank
+            if self.is_global_zero:
+                sharded_checkpoint.write_meta(directory, checkpoint)
+        except Exception as error:  # a full disk: the new folder goes, the link still names the previous one
+            if self.is_global_zero:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise write_failed(directory, error, tensor_bytes(tensors) * self.world_size) from error
         if self.is_global_zero:
-            sharded_checkpoint.write_meta(directory, checkpoint)
             sharded_checkpoint.swap_in(link, directory)
         self.barrier("sharded checkpoint saved")
 
