@@ -105,6 +105,28 @@ def _unreadable_weights_message(folder: Path, error: Exception) -> str:
     )
 
 
+def check_generate_mask(inputs, kwargs: dict) -> None:
+    """One clear error, naming both lengths, when `generate()`'s `attention_mask` is not one entry per prompt
+    token ([batch, prompt length], as forward() asks of its mask). The prompt is `inputs` (or `input_ids=`),
+    which holds every token of the sequence, cached ones included; or `inputs_embeds=` when no ids and no
+    cache are given."""
+    mask = kwargs.get("attention_mask")
+    prompt, name = inputs, "input_ids"
+    if prompt is None:
+        prompt = kwargs.get("input_ids")
+    if prompt is None and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        prompt, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if not isinstance(mask, torch.Tensor) or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    batch, length = prompt.shape[:2]
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but {name} has shape {tuple(prompt.shape)}: generate() "
+            f"needs one mask entry per prompt token, shape ({batch}, {length}) (1 for a token to attend to, 0 for "
+            "padding), as forward() does."
+        )
+
+
 @dataclass
 class ZooModelOutput(BaseModelOutputWithPast):
     """The trunk's output, with the auxiliary losses its `run_layers` returned ({} if none)."""
@@ -495,6 +517,13 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             lm_loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             loss = lm_loss + sum(aux_losses.values()) if aux_losses else lm_loss
         return ZooCausalLMOutput(loss=loss, logits=logits, cache=outputs.cache, lm_loss=lm_loss, aux_losses=aux_losses)
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """transformers' `generate()`, after one clear error for an `attention_mask` that does not fit the
+        prompt (`check_generate_mask`), before any work: generate slices the mask per step, so a longer one
+        would otherwise generate without a word and a shorter one fail deep in the rotary embedding."""
+        check_generate_mask(inputs, kwargs)
+        return super().generate(inputs, *args, **kwargs)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask=None, **kwargs):
         """generate() on a static cache turns the 2-D padding mask into transformers' 4-D mask before each
