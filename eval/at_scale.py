@@ -144,8 +144,11 @@ def markdown(result: dict) -> str:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from train.cli import refuse_existing_output
+
     report.refuse_wandb_logger(cfg, "eval.at_scale")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    refuse_existing_output(out_dir, bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     result = run_all(cfg, out_dir)
     print(markdown(result), flush=True)
     print(f"[at_scale] -> {out_dir}/README.md", flush=True)

@@ -15,8 +15,11 @@ from eval.simulator.costmodel import run_costmodel
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from train.cli import refuse_existing_output
+
     refuse_wandb_logger(cfg, "eval.costmodel")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    refuse_existing_output(out_dir, bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
              if k not in ("paths", "hydra", "logger")}  # fmt: skip
     result = run_costmodel(plain, out_dir, " ".join(["python -m eval.costmodel", *HydraConfig.get().overrides.task]))

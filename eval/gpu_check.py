@@ -41,6 +41,7 @@ on the CPU in worker processes (`--workers`) while the GPU measures.
 """
 
 import argparse
+import difflib
 import gc
 import importlib.metadata
 import importlib.util
@@ -137,6 +138,27 @@ def device_model_constants() -> dict:
     return dict(yaml.safe_load((ROOT / "conf" / "bench.yaml").read_text())["device_model"])
 
 
+def check_names(archs: list[str], shapes: list[str]) -> None:
+    """Unknown architectures or bench shapes are refused before anything is measured (exit status 1)."""
+    import models
+
+    unknown = [a for a in archs if a not in models.ZOO]
+    if unknown:
+        near = {a: difflib.get_close_matches(a, list(models.ZOO), n=1) for a in unknown}
+        hint = "".join(f" ({a}: did you mean {near[a][0]}?)" for a in unknown if near[a])
+        raise SystemExit(
+            f"Error: --archs names unknown architecture{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}{hint}; the zoo has {', '.join(sorted(models.ZOO))}."
+        )
+    known = sorted(p.stem for p in (ROOT / "conf" / "bench_shape").glob("*.yaml"))
+    unknown = [sh for sh in shapes if sh not in known]
+    if unknown:
+        raise SystemExit(
+            f"Error: --shapes names unknown bench shape{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; the shapes are {', '.join(known)} (conf/bench_shape/)."
+        )
+
+
 def predict_device() -> str:
     from eval.simulator.device import DEVICES
 
@@ -146,6 +168,10 @@ def predict_device() -> str:
 def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(prog="python -m eval.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="reports/gpu-check-h200", help="report folder (README.md, results.json)")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="replace a report already in --out (without it, a folder that holds one is refused)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny shape, llama and moe, few steps: a smoke run")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     p.add_argument("--budget", type=float, default=420.0, help="seconds; what would run past it is skipped")
@@ -176,16 +202,23 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
-            f"--device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu."
+            f"Error: --device {args.device}: CUDA is not available (torch {torch.__version__}); use --device cpu."
         )
     cuda = name.startswith("cuda")
     quick = args.quick
 
     def ints(text, default):
-        return [int(x) for x in text.split(",")] if text else list(default)
+        try:
+            values = [int(x) for x in text.split(",")] if text else list(default)
+        except ValueError:
+            raise SystemExit(f"Error: {text!r} is not a comma-separated list of integers (e.g. 1,8).") from None
+        if any(v < 1 for v in values):
+            raise SystemExit(f"Error: batch sizes {text!r}: each must be a positive integer (e.g. 1,8).")
+        return values
 
     shapes = args.shapes.split(",") if args.shapes else (["tiny"] if quick else ["llama3-8b", "llama3-70b"])
     archs = args.archs.split(",") if args.archs else (["llama", "moe"] if quick else list(DEFAULT_ARCHS))
+    check_names(archs, shapes)
     batches = ints(args.batches, [1] if quick else [1, 8])
     settings = Settings(
         device=name,
@@ -957,6 +990,13 @@ def choose_layers(item: Item, batch: int, policy: str, fair_left: int, s: Settin
 def main(argv: list[str] | None = None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, s = parse_args(argv)
+    # the one rule for every command that writes a report: never replace one unasked
+    from train.cli import OutputExistsError, refuse_existing_output
+
+    try:
+        refuse_existing_output(args.out, args.overwrite, flag="--overwrite", other="--out <dir>")
+    except OutputExistsError as error:
+        raise SystemExit(f"Error: {error}") from None
     device = torch.device(s.device)
     report = Report(Path(args.out), s, argv)
     threads = torch.get_num_threads()

@@ -134,7 +134,10 @@ def markdown(result: dict, cfg: dict, image: Path) -> str:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from train.cli import refuse_existing_output
+
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    refuse_existing_output(out_dir, bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     plain = OmegaConf.to_container(cfg, resolve=True)
     result = run_plan(plain, out_dir)
     columns = TRAIN_COLUMNS if result["task"] == "train" else GENERATE_COLUMNS

@@ -316,15 +316,19 @@ def summary_metrics(result: dict) -> dict[str, float]:
     return summary
 
 
+def output_dir(cfg: DictConfig) -> Path:
+    """`out_dir`, or the Hydra run directory."""
+    if cfg.get("out_dir"):
+        return Path(str(cfg.out_dir))
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
 def run(cfg: DictConfig) -> dict:
     """Evaluates one model; writes quality.json and quality.md; returns the result."""
     started = time.perf_counter()
-    if cfg.get("out_dir"):
-        out_dir = Path(str(cfg.out_dir))
-    else:
-        from hydra.core.hydra_config import HydraConfig
-
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
+    out_dir = output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
@@ -378,6 +382,9 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="quality", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from train.cli import refuse_existing_output
+
+    refuse_existing_output(output_dir(cfg), bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     run(cfg)
 
 

@@ -371,8 +371,43 @@ def markdown(result: dict, elapsed_s: float) -> str:
 # ------------------------------------------------------------------------------------------- the app
 
 
+# What the app writes into out_dir: a directory holding only these is its own report, resumed.
+OWN_FILES = ("seeds", "runs", "results.json", "README.md", "quality_seeds.png")
+
+
+def check_out_dir(cfg: DictConfig) -> None:
+    """The one "output directory already holds results" rule (train.cli.refuse_existing_output), where a
+    directory of this app's own finished runs is not "other results": it is resumed. Anything else there, or
+    a results.json that is not a replicate report, is refused unless overwrite=true."""
+    from train.cli import refuse_existing_output
+
+    out_dir = Path(cfg.out_dir)
+    overwrite = bool(cfg.get("overwrite"))
+    refuse_existing_output(out_dir, overwrite, keep=OWN_FILES)
+    results = out_dir / "results.json"
+    if results.is_file() and not overwrite:
+        try:
+            ours = "seeds" in (json.loads(results.read_text()).get("settings") or {})
+        except (ValueError, AttributeError):
+            ours = False
+        if not ours:
+            refuse_existing_output(out_dir, overwrite)  # says so, naming what is there
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refused before anything is trained or written: no seed or no architecture to run."""
+    if not list(cfg.seeds):
+        raise ValueError(
+            "seeds=[]: no seed to train, so no spread or paired difference to report; give at least one "
+            "(e.g. seeds=[42]; the committed report uses seeds=[42,43,44])."
+        )
+    if not list(cfg.archs):
+        raise ValueError("archs=[]: no architecture to train; give at least one (e.g. archs=[llama,kraken]).")
+
+
 def replicate(cfg: DictConfig) -> dict:
     started = time.perf_counter()
+    check_settings(cfg)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = run_specs(cfg)
@@ -406,10 +441,15 @@ def replicate(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="replicate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    check_settings(cfg)
+    check_out_dir(cfg)
     result = replicate(cfg)
     print((Path(cfg.out_dir) / "README.md").read_text(), flush=True)
     print(f"[replicate] -> {cfg.out_dir}/README.md ({result['elapsed_s'] / 60:.1f} minutes)", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    # a bad input: one line and exit status 1 (HYDRA_FULL_ERROR=1: the full traceback)
+    from train.cli import one_sentence_errors
+
+    one_sentence_errors(main)()

@@ -243,8 +243,11 @@ def main(cfg: DictConfig) -> None:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
+    from train.cli import refuse_existing_output
+
     report.refuse_wandb_logger(cfg, "eval.validation")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    refuse_existing_output(out_dir, bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     ladder_overrides = list(cfg.ladder_overrides) + (list(cfg.quick_ladder_overrides) if cfg.quick else [])
     plain = {**_plain(cfg), "ladder": _plain(compose("costmodel", overrides=ladder_overrides))}
     command = " ".join(["python -m eval.validation", *HydraConfig.get().overrides.task])

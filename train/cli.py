@@ -82,7 +82,25 @@ def _not_in_struct(error) -> str | None:
         hint = "did you mean " + " or ".join(f"{where}{k}" for k in near) + "?"
     else:
         hint = f"the settings there are {', '.join(known)}." if known else "check its spelling."
-    return f"{full_key} is not a setting of this config; {hint}"
+    # an optional key the config does not define (e.g. `model.init_from`) is added with Hydra's `+`
+    added = f" To add {full_key} as a new key, write +{full_key}=<value>."
+    return f"{full_key} is not a setting of this config; {hint}{added}"
+
+
+def _validator_error(error: BaseException) -> str | None:
+    """A config class's validator (huggingface_hub's strict dataclasses, which transformers' configs use):
+    `model.config.hidden_size=30` with 4 heads. The validator's own message names the values."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: no strict dataclasses
+        return None
+    if not isinstance(error, StrictDataclassError):
+        return None
+    cause = error.__cause__
+    what = _first_lines(cause) if cause is not None else _first_lines(error)
+    validator = getattr(error, "validator", None) or getattr(error, "field", None)
+    where = f" ({validator})" if isinstance(validator, str) else ""
+    return f"The model config is invalid{where}: {what} Change model.config.* (or the checkpoint's config.json) to fit."
 
 
 def _missing_config(error) -> str:
@@ -122,6 +140,9 @@ def explain(error: BaseException) -> str | None:
         return _missing_config(error)
     if isinstance(error, ConfigCompositionException):
         return _not_in_struct(error) or _first_lines(error)
+    validator = _validator_error(error)
+    if validator is not None:
+        return validator
     if isinstance(error, OSError) and error.filename and error.strerror:
         # raised by the OS (open, mkdir): "[Errno 13] Permission denied: '/x'"
         return f"{error.strerror}: {error.filename}."
@@ -167,16 +188,103 @@ def one_sentence():
         raise SystemExit(getattr(error, "exit_code", 1)) from None
 
 
+class _WithoutHydraJobLine:
+    """sys.stderr less Hydra's "Error executing job with overrides: [...]" line, which Hydra writes before
+    re-raising what the task function raised (hydra.core.utils.JobReturn.return_value): the one sentence
+    follows instead. Everything else is passed through unchanged."""
+
+    PREFIX = "Error executing job with overrides:"
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if isinstance(text, str) and text.startswith(self.PREFIX):
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def one_sentence_errors(main: Callable[..., Any]) -> Callable[..., Any]:
-    """`main` (a `@hydra.main` function) with a fixable error printed as one line, exit status 1."""
+    """`main` (a `@hydra.main` function) with a fixable error printed as one line, exit status 1: Hydra's
+    own errors and the task's alike (the task's body needs no `one_sentence()` of its own)."""
 
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not full_traceback_requested():
-            # Hydra re-raises instead of printing its traceback; the marker says the setting is ours
-            os.environ[FULL_ERROR] = "1"
-            os.environ[_SET_BY_US] = "1"
-        with one_sentence():
+        if full_traceback_requested():
             return main(*args, **kwargs)
+        # Hydra re-raises instead of printing its traceback; the marker says the setting is ours
+        os.environ[FULL_ERROR] = "1"
+        os.environ[_SET_BY_US] = "1"
+        stderr = sys.stderr
+        sys.stderr = _WithoutHydraJobLine(stderr)
+        try:
+            with one_sentence():
+                return main(*args, **kwargs)
+        finally:
+            if isinstance(sys.stderr, _WithoutHydraJobLine):
+                sys.stderr = stderr
 
     return run
+
+
+class OutputExistsError(ExplainedError):
+    """An output directory that already holds results, refused unless the user asked to replace them."""
+
+
+# Written by Hydra into a fresh run directory before the task starts: not results.
+_HYDRA_OWN = (".hydra",)
+
+
+def results_in(directory: str | os.PathLike, keep: tuple[str, ...] = ()) -> list[str]:
+    """The names in `directory` that are results (anything but Hydra's `.hydra/`, log files and `keep`);
+    [] for a directory that does not exist."""
+    path = os.fspath(directory)
+    if not os.path.isdir(path):
+        return [os.path.basename(path)] if os.path.exists(path) else []
+    return sorted(
+        name for name in os.listdir(path)
+        if name not in _HYDRA_OWN and name not in keep and not name.endswith(".log")
+    )  # fmt: skip
+
+
+def _this_run(path: str) -> bool:
+    """Whether `path` is the Hydra run directory of this very command (created by Hydra before the task, e.g.
+    hydra.run.dir=<out_dir>/hydra): not an earlier result."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return False
+        return os.path.realpath(HydraConfig.get().runtime.output_dir) == os.path.realpath(path)
+    except Exception:  # noqa: BLE001 - no Hydra run: nothing of it to leave out
+        return False
+
+
+def refuse_existing_output(
+    directory: str | os.PathLike,
+    overwrite: bool,
+    *,
+    flag: str = "overwrite=true",
+    other: str = "out_dir=<dir>",
+    keep: tuple[str, ...] = (),
+) -> bool:
+    """The one rule for every command that writes a report or a model: an output directory that already
+    holds results (anything but what Hydra writes into a fresh run directory, `.hydra/` and log files, or
+    `keep`) is refused in one line naming it, unless `overwrite` (the user's `flag`). Returns whether
+    something is there (and `overwrite` allows replacing it)."""
+    found = [name for name in results_in(directory, keep) if not _this_run(os.path.join(directory, name))]
+    if not found:
+        return False
+    if overwrite:
+        return True
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    kind = "already holds results" if os.path.isdir(directory) else "exists and is not a directory"
+    raise same_on_every_rank(
+        OutputExistsError(
+            f"The output directory {os.fspath(directory)} {kind} ({shown}); pass {flag} to replace them, "
+            f"or choose another {other}."
+        )
+    )

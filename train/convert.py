@@ -29,6 +29,7 @@ conversion keeps the function, then recovery).
 """
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from transformers import AutoModelForCausalLM
 import models
 from models.checkpoint import apply_special_tokens, drop_loading_options, save_checkpoint, share_files
 from models.registry import Converter
+from train.cli import refuse_existing_output
 from train.data import LMDataModule, load_tokenizer
 from train.metrics import evaluate_loss
 
@@ -119,15 +121,44 @@ def check_source(source: Path, converter: Converter, options: dict) -> None:
     except (ValueError, AttributeError) as error:
         raise ValueError(f"{config_file} is not a JSON object ({error}); {hint}.") from error
     if model_type not in converter.source_types:
+        fitting = sorted(c.name for c in models.CONVERTERS.values() if model_type in c.source_types)
+        instead = (
+            f"; for a {model_type!r} checkpoint pass converter={' or converter='.join(fitting)}"
+            if fitting else f"; no converter reads {model_type!r} checkpoints"
+        )  # fmt: skip
         raise ValueError(
             f"source={source} has model_type={model_type!r}, not a {what}; train.convert converts "
             f"{', '.join(map(repr, converter.source_types))} checkpoints to {converter.target_title} "
-            f"(converter={converter.name})."
+            f"(converter={converter.name}){instead}."
         )
     if not any(source.glob("*.safetensors")) and not any(source.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"source={source} has a config.json but no weights (*.safetensors); {hint}.")
     if converter.check is not None:
         converter.check(source, **options)
+
+
+def source_vocab_size(source: Path) -> int | None:
+    """The source checkpoint's vocabulary size (config.json's `vocab_size`, or its text config's)."""
+    config = json.loads((source / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def check_vocabulary(source: Path, tokenizer, tokenizer_source: str | None) -> None:
+    """The tokenizer saved with the converted model and used to evaluate it (the source's own, else
+    `data.tokenizer`, by default the bundled one) must not produce ids past the model's embedding: checked
+    before anything is converted or written (it failed as `IndexError: index out of range` after writing)."""
+    vocab = source_vocab_size(source)
+    needed = len(tokenizer)
+    if vocab is None or needed <= vocab:
+        return
+    which = "the bundled tokenizer" if tokenizer_source is None else f"the tokenizer {tokenizer_source}"
+    raise ValueError(
+        f"source={source} has a vocabulary of {vocab:,} tokens but {which} (data.tokenizer={tokenizer_source}) has "
+        f"{needed:,}, so its ids would index past the model's embedding; the source has no tokenizer of its own: "
+        f"put the checkpoint's tokenizer (tokenizer.json) in {source}, or pass data.tokenizer=<a tokenizer of at "
+        f"most {vocab:,} tokens>."
+    )
 
 
 def convert(cfg: DictConfig) -> dict:
@@ -142,8 +173,12 @@ def convert(cfg: DictConfig) -> dict:
             f"retrain.enabled=true: converter={converter.name} writes a {converter.target_title} checkpoint, which the "
             "zoo's trainer does not train; set retrain.enabled=false (or retrain the zoo model before exporting)."
         )
+    # the one rule for every command that writes a model: an earlier conversion is not replaced unasked
+    if refuse_existing_output(out, bool(cfg.get("overwrite")), other="hydra.run.dir=<dir>"):
+        shutil.rmtree(out) if out.is_dir() else out.unlink()  # overwrite=true: no file of the old one stays
     tokenizer_source = str(source) if has_tokenizer(source) else cfg.data.tokenizer
     tokenizer = load_tokenizer(tokenizer_source)
+    check_vocabulary(source, tokenizer, tokenizer_source)
 
     # Fresh weights (an upcycled model's routers) depend on the seed only.
     torch.manual_seed(cfg.seed)
@@ -192,6 +227,7 @@ def convert(cfg: DictConfig) -> dict:
             f"+model.init_from={out}",
             f"paths.output_dir={run_dir / 'retrain'}",
             f"data.tokenizer={tokenizer_source}" if tokenizer_source else "data.tokenizer=null",
+            *(["overwrite=true"] if cfg.get("overwrite") else []),  # replaces the earlier retraining too
             *cfg.retrain.overrides,
         ]
         pretrain_cfg = compose(config_name="pretrain", overrides=overrides)
@@ -233,4 +269,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # a bad input: one line and exit status 1 (HYDRA_FULL_ERROR=1: the full traceback)
+    from train.cli import one_sentence_errors
+
+    one_sentence_errors(main)()

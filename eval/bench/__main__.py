@@ -12,7 +12,10 @@ from eval.bench.app import rows_written, run_bench, settings_of
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from train.cli import refuse_existing_output
+
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    refuse_existing_output(out_dir, bool(cfg.get("overwrite")))  # one rule: a report is not replaced unasked
     plain = OmegaConf.to_container(cfg, resolve=False)
     wandb_cfg = None
     if cfg.get("logger") and "wandb" in cfg.logger:
@@ -21,7 +24,7 @@ def main(cfg: DictConfig) -> None:
             "name": cfg.task_name,
             "tags": list(cfg.get("tags") or []),
         }
-    settings = settings_of(plain)
+    settings = settings_of({k: v for k, v in plain.items() if k != "overwrite"})
     command = " ".join(["python -m eval.bench", *HydraConfig.get().overrides.task])
     results = run_bench(settings, out_dir, wandb_cfg, command)
     print(f"[bench] {rows_written(results)} -> {out_dir}/README.md, results.json, *.png", flush=True)

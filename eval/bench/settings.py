@@ -195,10 +195,35 @@ def _check_points(points: list[dict[str, int]], what: str, single_ok: bool = Fal
             )
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_numbers(cfg: dict) -> None:
+    """The generation section's sizes and counts, each an integer in its range: a negative prompt_len failed
+    45 lines into the first model's prefill ("negative dimension -4")."""
+    least = {"prompt_len": (1, "prompt tokens"), "new_tokens": (2, "the first from prefill, the rest decode steps"),
+             "warmup": (0, "untimed runs"), "repeats": (1, "timed runs")}  # fmt: skip
+    for key, (low, what) in least.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{key}={value!r}: must be an integer >= {low} ({what}).")
+    sizes = cfg.get("batch_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, (list, tuple)) or not sizes:
+            raise ValueError(f"batch_sizes={sizes!r}: must be a non-empty list of positive integers, e.g. [1,4].")
+        bad = [b for b in sizes if not _is_int(b) or b < 1]
+        if bad:
+            raise ValueError(f"batch_sizes={list(sizes)}: {bad} not a positive integer; e.g. batch_sizes=[1,4].")
+
+
 def check_generation_settings(cfg: dict) -> dict:
     """Fail before measuring anything if a setting of the generation section is out of range or an
     architecture cannot be built at the shape (the sections' own checks: their modules). Returns `cfg` with
     its real degrees resolved (`resolve_real`)."""
+    check_numbers(cfg)
     check_compute(cfg)
     _check_degree_list(cfg["tp"], "TP", cfg)
     _check_degree_list(cfg.get("ep"), "EP", cfg)
