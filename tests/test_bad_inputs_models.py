@@ -15,8 +15,12 @@ import json
 
 import pytest
 import torch
+import torch._dynamo as dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import models
+import models.common.moe as moe_module
+import models.moepp.modeling as moepp_modeling
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM
 from tests.test_models import tiny_model, tokens
 
@@ -100,3 +104,77 @@ def test_generate_with_a_fitting_mask_is_unchanged():
     mask[0, :2] = 0
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 8) and torch.equal(out[:, :5], ids)
+
+
+# --- HF's compile recipe on the MoE family ----------------------------------------------------------------
+
+# aot_eager for moe (functionalization too); dynamo alone for the other two (the failure was dynamo's), to
+# keep each case a few seconds. tests/test_static_cache.py compiles every architecture under -m slow.
+MOE_BACKENDS = {"moe": "aot_eager", "scmoe": "eager", "moepp": "eager"}
+
+
+def _count_padded(monkeypatch) -> list:
+    """Calls of the padded dispatch, from SparseMoE (moe, scmoe) and MoE++'s layer alike."""
+    calls = []
+    for module in (moe_module, moepp_modeling):
+        real = module.dispatch_padded
+
+        def counted(*args, _real=real, **kwargs):
+            calls.append(1)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "dispatch_padded", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(MOE_BACKENDS))
+def test_compiled_static_generate_equals_eager_dropless(name, monkeypatch):
+    model = tiny_model(name).float()
+    assert model.config.moe_dispatch == "dropless"
+    ids = tokens(2, 5, model.config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    padded_calls = _count_padded(monkeypatch)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert padded_calls == []  # the eager path is unchanged: dropless
+    monkeypatch.undo()  # (a counter in the traced code would be a guard: a recompile per step)
+    dynamo.reset()
+    counter = CompileCounterWithBackend(MOE_BACKENDS[name])
+    model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(out, want), name
+    assert counter.frame_count == 2  # one graph for the prefill, one for every decode step
+    # It traced with fullgraph=True, which the dropless dispatch cannot (it reads its counts on the host): the
+    # padded one ran, with C = the tokens per rank, so nothing was dropped.
+    assert model.dropped_assignments() == 0
+    # The choice is the traced forward's alone: the model and its config still say dropless.
+    assert model.config.moe_dispatch == "dropless"
+    assert {b.moe_dispatch for b in moe_module.dispatching_blocks(model)} == {"dropless"}
+
+
+def test_dispatch_choice_only_under_compile_without_grad(monkeypatch):
+    block = moe_module.dispatching_blocks(tiny_model("moe"))[0]
+    assert moe_module.dispatch_now(block) == ("dropless", None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert moe_module.dispatch_now(block) == ("dropless", None)  # grad on: a training step keeps its dispatch
+    with torch.no_grad():
+        assert moe_module.dispatch_now(block) == ("padded", None)
+        block.moe_dispatch, block.dispatch_capacity_factor = "padded", 0.5
+        assert moe_module.dispatch_now(block) == ("padded", 0.5)  # an explicit padded choice is kept
+
+
+def test_compiled_generate_over_an_ep_group_names_set_moe_dispatch(monkeypatch):
+    model = tiny_model("moe")
+    monkeypatch.setattr(moe_module, "_group_size", lambda group: 1 if group is None else 2)
+    for block in moe_module.dispatching_blocks(model):
+        block.ep_group = object()  # a stand-in for an expert-parallel group of 2
+    calls = []
+    real_forward = model.forward
+    model.forward = torch.compile(lambda *a, **k: calls.append(1) or real_forward(*a, **k), fullgraph=True)
+    ids = tokens(1, 5, model.config.vocab_size)
+    with pytest.raises(ValueError, match=r"call model\.set_moe_dispatch\(\"padded\"\) before compiling"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
+    assert calls == []
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"model\.set_moe_dispatch\(\"padded\"\)"):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        moe_module.dispatch_now(moe_module.dispatching_blocks(model)[0])

@@ -127,6 +127,15 @@ def check_generate_mask(inputs, kwargs: dict) -> None:
         )
 
 
+def forward_is_compiled(model: nn.Module) -> bool:
+    """Whether `model`'s calls run compiled: HF's recipe (`model.forward = torch.compile(model.forward)`) or
+    `model.compile()`."""
+    forward = model.__dict__.get("forward")
+    return getattr(forward, "_torchdynamo_orig_callable", None) is not None or (
+        getattr(model, "_compiled_call_impl", None) is not None
+    )
+
+
 @dataclass
 class ZooModelOutput(BaseModelOutputWithPast):
     """The trunk's output, with the auxiliary losses its `run_layers` returned ({} if none)."""
@@ -523,6 +532,9 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         prompt (`check_generate_mask`), before any work: generate slices the mask per step, so a longer one
         would otherwise generate without a word and a shorter one fail deep in the rotary embedding."""
         check_generate_mask(inputs, kwargs)
+        check = getattr(self, "check_compiled_generate", None)  # the MoE family's (models/common/moe.py)
+        if check is not None and forward_is_compiled(self):
+            check()
         return super().generate(inputs, *args, **kwargs)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask=None, **kwargs):

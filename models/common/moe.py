@@ -90,7 +90,11 @@ One implementation for the three architectures (specs/moe.md); torchtitan's MoE 
   in forward on the device); `dropped_assignments(model, reset=False) -> int` sums this rank's over the
   model's blocks (one host read, after the step) and `reset=True` zeroes them. In padded mode a block with
   a `capacity_factor` (the dropless path's cap) sends at most min(that cap, C) rows per expert, the same
-  first-in-assignment-order rule, and the drops are counted too.
+  first-in-assignment-order rule, and the drops are counted too. Under torch.compile, an inference forward
+  (no grad: HF's `model.forward = torch.compile(model.forward, fullgraph=True)` recipe for generate()) of a
+  dropless block runs the padded dispatch with C = the rank's tokens, which drops nothing and equals dropless
+  (`dispatch_now`); over an expert-parallel group that is refused in one sentence naming
+  `model.set_moe_dispatch("padded")` (`TRACED_EP_DROPLESS`; generate() says it before any work).
 - `SparseMoE(hidden_size, intermediate_size, num_experts, top_k, ...)`: router + experts with
   `forward(x [B, T, d]) -> (y, aux)`: route, dispatch, compute and combine at once (the vanilla MoE
   schedule); `aux` = {"load_balance": aux_loss_coef * balance loss} in training mode, {} otherwise.
@@ -803,8 +807,9 @@ class SparseMoE(nn.Module):
         cap = None
         if self.capacity_factor is not None:
             cap = capacity(x.shape[0], self.num_experts, self.top_k, self.capacity_factor)
-        if self.moe_dispatch == "padded":
-            c = padded_capacity(x.shape[0], self.num_experts, self.top_k, self.dispatch_capacity_factor)
+        mode, factor = dispatch_now(self)
+        if mode == "padded":
+            c = padded_capacity(x.shape[0], self.num_experts, self.top_k, factor)
             pending = dispatch_padded(x, routing, self.experts, self.ep_group, c if cap is None else min(c, cap))
             self.dropped_assignments += pending.dropped
             return pending, routing
@@ -849,6 +854,34 @@ def dispatching_blocks(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def dispatch_now(block: nn.Module) -> tuple[str, float | None]:
+    """(mode, padded capacity factor) of the dispatch `block` runs in this forward: its own (`moe_dispatch`,
+    `dispatch_capacity_factor`), except when torch.compile traces an inference forward (no grad: generate(),
+    HF's `model.forward = torch.compile(model.forward, fullgraph=True)` recipe, an evaluation). The dropless
+    dispatch reads its counts on the host, which a traced graph cannot hold, so there the block takes the
+    padded dispatch with C = the rank's tokens: a token picks an expert at most once, so nothing is dropped and
+    the output equals dropless (a block's dropless `capacity_factor` cap still applies, by the same rule, its
+    drops counted in `dropped_assignments` as in padded mode). On an expert-parallel group that needs every rank
+    to feed the same token count, which only the caller knows: it is refused in one sentence. Eager forwards and
+    traced training steps (with grad; in compiled layers the dropless dispatch is `torch.compiler.disable`d,
+    train/activation_checkpointing.py) keep the block's own dispatch."""
+    mode, factor = block.moe_dispatch, block.dispatch_capacity_factor
+    if mode == "padded" or torch.is_grad_enabled() or not torch.compiler.is_compiling():
+        return mode, factor
+    if _group_size(block.ep_group) > 1:
+        raise RuntimeError(TRACED_EP_DROPLESS)
+    return "padded", None
+
+
+# The one case `dispatch_now` cannot choose for the caller (also said by `generate()` before any work).
+TRACED_EP_DROPLESS = (
+    "The dropless MoE dispatch reads its token counts on the host, which a compiled graph cannot hold, and over an "
+    "expert-parallel group the padded one needs every rank to feed the same number of tokens: call "
+    'model.set_moe_dispatch("padded") before compiling (each rank then sends C = its token count rows to every '
+    "expert, nothing dropped)."
+)
+
+
 def set_moe_dispatch(model: nn.Module, mode: str, capacity_factor: float | None = None) -> nn.Module:
     """Switch every MoE block of `model` to the dispatch `mode` ("dropless" | "padded"), the padded one with
     `capacity_factor` (None: C = T, never drops), and record both in `model.config` (`moe_dispatch`,
@@ -886,3 +919,11 @@ class MoeDispatchMixin:
 
     def dropped_assignments(self, reset: bool = False) -> int:
         return dropped_assignments(self, reset)
+
+    def check_compiled_generate(self) -> None:
+        """`generate()` with a compiled forward (models/common/causal_lm.py asks before any work): refused in
+        one sentence where a block could not choose a traceable dispatch itself (`dispatch_now`: dropless over an
+        expert-parallel group)."""
+        for block in dispatching_blocks(self):
+            if block.moe_dispatch != "padded" and _group_size(block.ep_group) > 1:
+                raise ValueError(TRACED_EP_DROPLESS)

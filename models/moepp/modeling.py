@@ -40,6 +40,7 @@ from models.common.moe import (
     TopKRouter,
     check_moe_dispatch,
     dispatch,
+    dispatch_now,
     dispatch_padded,
     init_moe_weights,
     load_balance_loss,
@@ -153,10 +154,11 @@ class MoePlusPlus(nn.Module):
             capacity[: self.num_ffn] = c_ffn
             keep &= within_capacity(expert_idx, capacity)
         ffn = keep & (expert_idx < self.num_ffn)
-        if self.moe_dispatch == "padded":
+        mode, factor = dispatch_now(self)  # padded when traced for inference (models/common/moe.py)
+        if mode == "padded":
             # Every assignment stays in the fixed layout, only the FFN experts' valid: no boolean selection.
             k = self.config.num_experts_per_tok
-            c = padded_capacity(num_tokens, self.num_ffn, k, self.dispatch_capacity_factor)
+            c = padded_capacity(num_tokens, self.num_ffn, k, factor)
             pending = dispatch_padded(x, routing, self.experts, self.ep_group, c, valid=ffn)
             self.dropped_assignments += pending.dropped
             zc_out = self.zero_computation_dense(x, routing, keep & ~ffn)
