@@ -82,8 +82,9 @@ def _not_in_struct(error) -> str | None:
         hint = "did you mean " + " or ".join(f"{where}{k}" for k in near) + "?"
     else:
         hint = f"the settings there are {', '.join(known)}." if known else "check its spelling."
-    # an optional key the config does not define (e.g. `model.init_from`) is added with Hydra's `+`
-    added = f" To add {full_key} as a new key, write +{full_key}=<value>."
+    # An optional key the config does not define (e.g. `model.init_from`) is added with Hydra's `+`; a key close
+    # to a known one is a typo, and the hint would only mislead.
+    added = "" if near else f" To add {full_key} as a new key, write +{full_key}=<value>."
     return f"{full_key} is not a setting of this config; {hint}{added}"
 
 
