@@ -12,6 +12,7 @@ import torch
 from tests.test_train import pretrain_command, run_pretrain, subprocess_env
 from train.callbacks import AtomicCheckpointIO
 from train.checkpoint_space import CheckpointWriteError
+from train.run_directory import readable_checkpoint
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -42,12 +43,14 @@ def test_resume_from_an_hf_weights_file_is_refused(finished_run, tmp_path):
     (+model.init_from), exit 1, before anything is built (was: a 60-line traceback from torch.load)."""
     weights = finished_run / "hf" / "model.safetensors"
     before = _snapshot(finished_run)
-    for resume in (weights, weights.parent):
-        proc = _run(tmp_path / "new", "trainer.max_steps=3", f"resume={resume}")
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        (line,) = _error_lines(proc)
-        assert str(resume) in line and "not a training checkpoint" in line and "+model.init_from=" in line
-        assert "Traceback" not in proc.stdout + proc.stderr
+    proc = _run(tmp_path / "new", "trainer.max_steps=3", f"resume={weights}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    (line,) = _error_lines(proc)
+    assert str(weights) in line and "not a training checkpoint" in line and "+model.init_from=" in line
+    assert "Traceback" not in proc.stdout + proc.stderr
+    # the hf/ folder itself, by the same check (in process)
+    with pytest.raises(ValueError, match=r"is not a training checkpoint but a Hugging Face model folder.*\+model\.init_from="):
+        readable_checkpoint(str(weights.parent), fall_back=False)
     assert _snapshot(finished_run) == before
 
 

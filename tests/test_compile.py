@@ -155,6 +155,7 @@ def _training_step_ranks(rank, world_size, archs, backend):
         compiled_training_step_equals_eager(model, ids, backend, arch)
 
 
+@pytest.mark.slow  # 24 s; compiled layers under FSDP + TP 2 == eager: tests/test_fsdp.py
 def test_tp2_training_step_compiles_fullgraph_and_equals_eager():
     run_ranks(_training_step_ranks, 2, TP_ARCHS, "aot_eager")
 

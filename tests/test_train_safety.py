@@ -366,6 +366,7 @@ def test_dead_tp_rank_ends_the_run_with_an_error_naming_it(tmp_path):
     assert f"model: llama, {count:,} parameters (split over 2 tensor-parallel ranks)" in output
 
 
+@pytest.mark.slow  # 20 s; the other rank's death: test_dead_tp_rank_ends_the_run_with_an_error_naming_it
 def test_dead_tp_rank_0_ends_the_other_rank(tmp_path):
     returncode, out, _, pgid = run_killing_a_rank(tmp_path, rank=0)
     assert returncode == -signal.SIGKILL

@@ -50,6 +50,7 @@ def test_a_row_without_its_published_number_is_refused():
     assert validation.finish_row({**row, "predicted": 1.3})["within"]  # 1.3 / 1.2 = 1.083
 
 
+@pytest.mark.slow  # 19 s; determinism of the replays: tests/test_training_simulator.py, tests/test_simulate.py
 def test_quick_report_twice_identical(tmp_path):
     cfg = _cfg()
     first = validation.run_validation(cfg, tmp_path / "a", "test")
