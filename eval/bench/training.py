@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 import models
-import parallel
 from eval.bench.settings import predicted
 from eval.simulator.heldout import device_model
 from eval.simulator.training import (
     RECORDING_LINK,
     FSDPSchedule,
     TrainLayout,
+    build_training_meta,
     fsdp_units,
     record_training,
     run_step,
@@ -38,7 +38,6 @@ from eval.throughput import flops_per_token
 from parallel import comm
 from parallel.link import ClockRecorder, collective_time, get_link
 from train.activation_checkpointing import MODES as AC_MODES
-from train.activation_checkpointing import apply_activation_checkpointing
 
 COLUMNS = [("arch", "arch"), ("layout", "layout"), ("ac", "AC"), ("compute", "compute"), ("step_ms", "step ms"),
            ("tokens_per_s_per_device", "tokens/s/device"), ("mfu", "MFU"), ("achieved_tflops", "TFLOP/s"),
@@ -110,13 +109,9 @@ def training_rows(cfg: dict) -> tuple[list[dict], list[str]]:
 
 def measure_training(arch: str, config, layout: TrainLayout, link, warmup: int, repeats: int) -> dict:
     """One step of rank 0 timed for real on this machine (module docstring)."""
-    mesh = parallel.init_mesh(**layout.degrees, fake=True)
+    torch.manual_seed(0)
+    model = build_training_meta(arch, config, layout, dtype=torch.float32, device="cpu")
     try:
-        torch.manual_seed(0)
-        model = models.get(arch).model_class(config)
-        parallel.parallelize(model, mesh)
-        model.train()
-        apply_activation_checkpointing(model, layout.ac)
         shard = shard_params(model, layout)
         root, layers = fsdp_units(model)
         schedule = FSDPSchedule(layout, root, layers)

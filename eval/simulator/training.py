@@ -38,7 +38,7 @@ peak of the devices; `hfu` counts the recorded FLOPs (recomputation included).
 
 import math
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -186,7 +186,6 @@ class FSDPSchedule:
     layers: list[Unit]
     param_bytes: int = 2  # the all-gathered dtype (MixedPrecisionPolicy.param_dtype)
     reduce_bytes: int = 4  # the reduce-scatter's (reduce_dtype fp32)
-    _handles: list = field(default_factory=list)
     _gathered: dict = field(default_factory=dict)
     _pending: list = field(default_factory=list)
     backward: bool = False
@@ -264,11 +263,14 @@ class FSDPSchedule:
         self._pending = []
 
 
-def build_training_meta(arch: str, config, layout: TrainLayout, dtype=torch.bfloat16, rank: int = 0) -> nn.Module:
-    """`arch` on the meta device in `dtype`, laid out for `layout` on a fake mesh (rank `rank`'s shards), activation
-    checkpointing applied as the trainer applies it. The mesh stays up until `eval.simulator.replay.release()`."""
+def build_training_meta(
+    arch: str, config, layout: TrainLayout, dtype=torch.bfloat16, rank: int = 0, device: str = "meta"
+) -> nn.Module:
+    """`arch` on `device` (meta: shapes only; cpu: the bench's measured step) in `dtype`, laid out for `layout` on a
+    fake mesh (rank `rank`'s shards), activation checkpointing applied as the trainer applies it. The mesh stays up
+    until `eval.simulator.replay.release()`."""
     mesh = parallel.init_mesh(**layout.degrees, fake=True, rank=rank)
-    with torch.device("meta"):
+    with torch.device(device):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
     model.to(dtype)
@@ -416,6 +418,3 @@ def _whole_model_params(model: nn.Module, layout: TrainLayout) -> int:
         total += p.numel() * math.prod(layout.degrees.get(s.mesh_dim, 1) for s in specs.get(name, ()))
     return total
 
-
-def summary(recording: TrainingRecording, prediction: dict) -> dict:
-    return {"layout": asdict(recording.layout), "label": recording.layout.label(), **prediction}
