@@ -20,7 +20,7 @@ state do not): two replays per layout family instead of one per micro-batch. Tim
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import models
 from eval.simulator.device import DeviceModel
@@ -65,12 +65,6 @@ def links_for(layout: TrainLayout, gpus_per_node: int, intra: str, inter: str) -
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass
-class Candidate:
-    layout: TrainLayout
-    error: str = ""  # why the architecture cannot take it (its own check), or why it does not fit
 
 
 def meshes(
