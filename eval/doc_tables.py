@@ -1,0 +1,215 @@
+"""The tables of results in README.md and docs/, written from the committed reports: `python -m eval.doc_tables`.
+
+No number a report holds is copied into the docs by hand. Each table of results sits between two markers,
+
+    <!-- table:NAME -->
+    ...
+    <!-- end table:NAME -->
+
+and its lines are made here from the report's JSON (`TABLES`: name -> a function of the link prefix from the
+page to the repository root). After regenerating a report, run this to rewrite every block; tests/test_docs.py
+fails while a block differs from what this writes, so a report and the docs cannot disagree.
+"""
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", "docs/*.md"]
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table:(?P=name) -->)", re.S)
+
+AT_SCALE = "reports/at-scale/at_scale.json"
+SEEDS = "reports/quality-seeds/results.json"
+VALIDATION = "reports/simulator-validation/validation.json"
+COSTMODEL = "reports/costmodel/costmodel.json"
+# Conversions of a trained llama: (label, the report's JSON, the name of its converted model in `val`).
+CONVERSIONS = [
+    ("llama -> ladder (upper half laddered)", "reports/conversion/conversion.json", "ladder"),
+    ("llama -> moe (sparse upcycling, 4 experts, top-2)", "reports/upcycling/moe/conversion.json", "moe"),
+    ("llama -> scmoe (Position 2, 4 experts, top-1 + shared)", "reports/upcycling/scmoe/conversion.json", "scmoe"),
+    ("llama continued, nothing converted (the control)", "reports/upcycling/dense_continued/conversion.json", "ladder"),
+    ("llama -> gqla (TransGQLA, d_c 16, its own 100-step source)", "reports/gqla-conversion/conversion.json", "gqla"),
+]
+# The architectures of the glance table, each with the family baseline it is compared with.
+GLANCE = ["parallel", "ladder", "kraken", "gqla", "scmoe", "moepp", "linear", "linear_hybrid"]
+
+
+def _load(path: str) -> dict:
+    return json.loads((ROOT / path).read_text())
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _pm(stats: dict, digits: int = 3, sign: str = "+") -> str:
+    return f"{stats['mean']:{sign}.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def _at_scale_speedups(arch: str) -> dict[str, list[float]]:
+    """{run: [speed-up at batch 1, at batch 16]} of `arch` on NVLink, from the at-scale report."""
+    out: dict[str, list[float]] = {}
+    for row in _load(AT_SCALE)["rows"]:
+        if row["arch"] == arch and row["arch"] != row["against"] and row["at"].endswith("nvlink-h100"):
+            out.setdefault(row["run"], []).append(row["speedup_total"])
+    return out
+
+
+def _paired(arch: str, against: str) -> dict | None:
+    for comparison in _load(SEEDS)["comparisons"]:
+        if comparison["arch"] == arch and comparison["against"] == against:
+            return comparison["diff_loss"]
+    return None
+
+
+def glance(rel: str) -> list[str]:
+    baselines = {row["arch"]: row["baseline"] for row in _load(SEEDS)["rows"]}
+    lines = [
+        "| architecture | against | predicted speed-up, 8B shape, batch 1 / 16 | 70B shape, batch 1 / 16 "
+        "| validation loss - baseline's (3 seeds, paired) | every seed agrees |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arch in GLANCE:
+        against = baselines[arch]
+        runs = _at_scale_speedups(arch)
+        first = runs.get("dense_8b") or runs.get("moe_8x7b")
+        seventy = runs.get("dense_70b")
+        diff = _paired(arch, against)
+        lines.append(
+            f"| [`{arch}`]({rel}docs/architectures.md#{arch}) | `{against}` "
+            f"| {' / '.join(_x(v) for v in first) if first else 'not predicted (training-time SP: validation below)'} "
+            f"| {' / '.join(_x(v) for v in seventy) if seventy else '-'} "
+            f"| {_pm(diff) if diff else '-'} | {'yes' if diff and diff['same_sign'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"Speed-ups: tokens/s of generation (prompt 1024, 512 new tokens) over the baseline on 8 x H100, TP 8 (EP 8 for "
+        f"the MoE family), predicted by the speed simulator ([reports/at-scale]({rel}reports/at-scale/README.md)). "
+        f"Quality: tiny models (1.8 M parameters) at equal tokens, 400 steps, seeds 42 / 43 / 44, mean ± std of the "
+        f"per-seed difference; negative is better ([reports/quality-seeds]({rel}reports/quality-seeds/README.md)).",
+    ]
+    return lines
+
+
+def validation(rel: str) -> list[str]:
+    report = _load(VALIDATION)
+    ladder = report["ladder"]
+    lines = [
+        "| paper | published headline | predicted | predicted / published | within 15%? |",
+        "|---|---|---|---|---|",
+        f"| Ladder Residual, 70B record (in sample: the constants were fitted to it) | every tokens/s cell | worst "
+        f"error {ladder['worst_tok_s_error']:.1%} | prefill worst {ladder['worst_prefill_error']:.1%} | "
+        f"{'yes' if ladder['worst_tok_s_error'] <= report['target'] else 'no'} |",
+    ]
+    for row in report["heldout"]:
+        lines.append(
+            f"| {row['paper'].split(' (')[0]} (held out) | {_x(row['published'])} | {_x(row['predicted'])} "
+            f"| {row['ratio']:.2f} | {'yes' if row['within'] else '**no**'} |"
+        )
+    lines += ["", f"From [reports/simulator-validation]({rel}reports/simulator-validation/README.md), which names each "
+              "headline, its setting and what the model lacks where it misses."]
+    return lines
+
+
+def costmodel(rel: str) -> list[str]:
+    report = _load(COSTMODEL)
+    c = report["constants"]
+    errors = report["mean_abs_log_ratio"]
+    return [
+        "| fitted once to the Ladder 70B record | value |",
+        "|---|---|",
+        f"| FLOP/s efficiency, HBM efficiency | {c['eff_flops']:.3f}, {c['eff_hbm']:.2f} |",
+        f"| overhead per kernel | {c['kernel_overhead_us']:.2f} us |",
+        f"| contention of overlapped communication (latency-bound / bandwidth-bound) | {c['contention']:.2f} / "
+        f"{c['contention_bw']:.2f} |",
+        f"| NVLink latency | {c['link_base_us']:.1f} us + {c['link_alpha_us']:.1f} us per hop |",
+        f"| tokens/s cells: worst error, mean abs log-ratio | {report['worst_tok_s_error']:.1%}, {errors['all_tok_s']:.3f} |",
+        f"| prefill cells: mean abs log-ratio | {errors['all_prefill']:.3f} |",
+        f"| Ladder speed-ups: worst error | {report['worst_ladder_speedup_error']:.1%} |",
+        "",
+        f"From [reports/costmodel]({rel}reports/costmodel/README.md) (`python -m eval.costmodel`).",
+    ]
+
+
+def seeds(rel: str) -> list[str]:
+    report = _load(SEEDS)
+    lines = [
+        "| architecture | against | parameters (active) | validation loss | - baseline's (paired) | every seed agrees |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        diff = _paired(row["arch"], row["baseline"]) if row["baseline"] else None
+        params = f"{row['params'] / 1e6:.2f} M" + (
+            f" ({row['active_params'] / 1e6:.2f} M)" if row["active_params"] != row["params"] else "")
+        lines.append(
+            f"| {row['arch']} | {row['baseline'] or '-'} | {params} | {_pm(row['val_loss'], 4, '')} "
+            f"| {_pm(diff, 4) if diff else '-'} | {('yes' if diff['same_sign'] else 'no') if diff else '-'} |"
+        )
+    lines += ["", f"{len(report['settings']['seeds'])} seeds x {report['settings']['max_steps']} steps, from "
+              f"[reports/quality-seeds]({rel}reports/quality-seeds/README.md) (`python -m eval.replicate`)."]
+    return lines
+
+
+def conversions(rel: str) -> list[str]:
+    lines = ["| conversion | source | right after | retrained | report |", "|---|---|---|---|---|"]
+    for label, path, target in CONVERSIONS:
+        val = _load(path)["val"]
+        steps = _load(path)["retrain"].get("global_step")
+        lines.append(
+            f"| {label} | {val['llama (source)']['loss']:.4f} | {val[f'{target}, no retraining']['loss']:.4f} "
+            f"| {val[f'{target}, retrained']['loss']:.4f}{f' ({steps} steps)' if steps else ''} "
+            f"| [{Path(path).parent.as_posix()}]({rel}{Path(path).parent.as_posix()}/) |"
+        )
+    lines += ["", "Validation loss on the held-out plays."]
+    return lines
+
+
+TABLES: dict[str, Callable[[str], list[str]]] = {
+    "glance": glance,
+    "validation": validation,
+    "costmodel": costmodel,
+    "seeds": seeds,
+    "conversions": conversions,
+}
+
+
+def pages() -> list[Path]:
+    return sorted(p for pattern in PAGES for p in ROOT.glob(pattern))
+
+
+def render(text: str, rel: str) -> str:
+    """`text` with every table block rewritten; an unknown table name is an error naming the known ones."""
+
+    def block(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            raise ValueError(f"unknown table {name!r} in the docs: known tables are {sorted(TABLES)}")
+        return f"{match.group(1)}{chr(10).join(TABLES[name](rel))}\n{match.group(4)}"
+
+    return BLOCK.sub(block, text)
+
+
+def link_prefix(page: Path) -> str:
+    return "../" * (len(page.resolve().relative_to(ROOT).parts) - 1)
+
+
+def stale() -> list[str]:
+    """The pages whose table blocks differ from what the reports give now."""
+    return [p.relative_to(ROOT).as_posix() for p in pages() if render(p.read_text(), link_prefix(p)) != p.read_text()]
+
+
+def main() -> None:
+    for page in pages():
+        text = page.read_text()
+        new = render(text, link_prefix(page))
+        if new != text:
+            page.write_text(new)
+            print(f"rewrote the tables of {page.relative_to(ROOT)}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
