@@ -22,7 +22,7 @@ The conjunction `W_conj . concat_i(s_i) + b` maps the k streams (k * d') back to
   the norm's eps); it differs in the size of W_conj's entries (1 against 1/k), which Adam's per-entry steps
   and weight decay see differently.
 
-Measured (issue 22; `python -m eval.replicate`, reports/quality-seeds: the tiny config, 3 seeds x 400 steps of
+Measured (`python -m eval.replicate`, reports/quality-seeds: the tiny config, 3 seeds x 400 steps of
 16 x 128 tokens, final validation loss, per-seed paired differences): kraken - llama +0.199 +- 0.031 nats; "mean"
 - "random" +0.121 +- 0.060 (worse at every seed); "identity" - "random" +0.010 +- 0.011 (within the seed
 noise). Neither closes the gap, so "random", the authors' initialisation, stays the default.

@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 
 from eval.simulator.device import DeviceModel
 
-TARGET = 0.15  # each headline speed-up within 15% of the published ratio (issue 19)
+TARGET = 0.15  # each headline speed-up within 15% of the published ratio
 # The keys of a row (above); eval.validation fills the last three with empty values when a row leaves them out.
 ROW_KEYS = ("paper", "source", "headline", "setting", "published", "predicted", "cells", "sensitivity", "lacks", "notes")
 OPTIONAL_KEYS = ("sensitivity", "lacks", "notes")
