@@ -40,6 +40,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
 
 from models.registry import Converter, register_converter
+from models.weight_map import Rule, concat, load_mapped, map_weights
 
 # config.json keys that describe the zoo file, not the model: not carried into the stock config.
 NOT_CARRIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
@@ -119,20 +120,18 @@ def mixtral_config(config) -> MixtralConfig:
     return MixtralConfig(**fields)
 
 
+# The zoo moe's names -> transformers 5's Mixtral names (models/weight_map.py); the rest keeps its name.
+MOE_MLP = "model.layers.{layer}.mlp."
+ZOO_TO_MIXTRAL = (
+    Rule(MOE_MLP + "router.gate.weight", MOE_MLP + "gate.weight"),
+    # gate rows first, as MixtralExperts reads gate_up_proj
+    Rule((MOE_MLP + "experts.gate_proj", MOE_MLP + "experts.up_proj"), MOE_MLP + "experts.gate_up_proj", concat(dim=1)),
+)
+
+
 def moe_state_to_mixtral(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The zoo moe's state dict in transformers 5's Mixtral names (module docstring)."""
-    out = {}
-    for name, value in state.items():
-        if name.endswith(".mlp.router.gate.weight"):
-            out[name.replace(".mlp.router.gate.", ".mlp.gate.")] = value
-        elif name.endswith(".mlp.experts.gate_proj"):
-            up = state[name.removesuffix("gate_proj") + "up_proj"]
-            out[name.removesuffix("gate_proj") + "gate_up_proj"] = torch.cat([value, up], dim=1)
-        elif name.endswith(".mlp.experts.up_proj"):
-            continue  # in gate_up_proj
-        else:
-            out[name] = value
-    return out
+    return map_weights(state, ZOO_TO_MIXTRAL)
 
 
 def to_stock(model: PreTrainedModel) -> PreTrainedModel:
@@ -156,12 +155,8 @@ def to_stock(model: PreTrainedModel) -> PreTrainedModel:
         state = moe_state_to_mixtral(state)
     stock_config.dtype = model.dtype
     # Generation settings (eos, pad, ...) as the zoo model's.
-    stock, info = stock_class.from_pretrained(
-        None, config=stock_config, state_dict=state, dtype=model.dtype, output_loading_info=True
-    )
-    incomplete = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if incomplete:  # a mapping bug: never leave stock weights random
-        raise RuntimeError(f"Exporting {model_type} to {stock_class.__name__} left weights unmapped: {incomplete}.")
+    what = f"Exporting {model_type} to {stock_class.__name__}"
+    stock = load_mapped(stock_class, stock_config, state, model.dtype, what)
     if getattr(model, "generation_config", None) is not None:
         stock.generation_config = model.generation_config
     return stock.to(model.device)

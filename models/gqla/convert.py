@@ -29,6 +29,7 @@ The rank sweep (several ranks from one calibration, validation loss per rank) is
 `python -m eval.gqla_rank_sweep` (eval/gqla_rank_sweep.py).
 """
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from models.gqla.modeling import ZooGQLAForCausalLM
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.registry import Converter
+from models.weight_map import Rule, check_mapped, map_weights
 
 CONVERTIBLE = ("llama", "zoo_llama")
 GQLA_OPTIONS = ("kv_lora_rank", "qk_rope_head_dim", "calibration_batches")
@@ -135,15 +137,11 @@ def convert_model(
     nope_dims = torch.cat([dropped, dropped + half]) if d_nope else torch.zeros(0, dtype=torch.long)
     per_group = H // G
 
-    target = ZooGQLAForCausalLM(config).to(torch.float64 if model.dtype == torch.float64 else torch.float32)
-    state = model.state_dict()
-    attn_names = ("q_proj", "k_proj", "v_proj")
-    new_state = {k: v for k, v in state.items() if not any(f"self_attn.{n}" in k for n in attn_names)}
-    for layer_idx, cov in enumerate(covariances):
-        prefix = f"model.layers.{layer_idx}.self_attn."
-        wq = state[prefix + "q_proj.weight"].double().view(H, hd, d)
-        wk = state[prefix + "k_proj.weight"].double().view(G, hd, d)
-        wv = state[prefix + "v_proj.weight"].double().view(G, hd, d)
+    def attention(q_proj, k_proj, v_proj, cov):
+        """One layer's q / k / v weights -> its q_proj, kv_a_proj, k_rope_proj, k_up, v_up (steps 1-4)."""
+        wq = q_proj.double().view(H, hd, d)
+        wk = k_proj.double().view(G, hd, d)
+        wv = v_proj.double().view(G, hd, d)
         # 1. RoRoPE: per kept pair, the top principal direction across the KV heads.
         k_rope = torch.empty(d_r, d, dtype=torch.float64)
         u = torch.empty(len(kept), G, dtype=torch.float64)
@@ -160,7 +158,7 @@ def convert_model(
         # 2. Balance K_nope and V.
         k_nope = wk[:, nope_dims]  # [G, d_nope, d]
 
-        def energy(w, cov=cov):
+        def energy(w):
             """Mean squared activation of the rows of w [.., d] under the covariance."""
             w = w.reshape(-1, d)
             return torch.einsum("nd,de,ne->", w, cov, w).clamp_min(1e-30) / w.shape[0]
@@ -178,18 +176,18 @@ def convert_model(
         q_nope = wq[:, nope_dims] * alpha
         q_rope = wq[:, rope_dims] * u_full[:, groups].T[:, :, None]
         new_q = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d_nope + d_r), d)
-        new_state[prefix + "q_proj.weight"] = new_q
-        new_state[prefix + "kv_a_proj.weight"] = basis.T @ w
-        new_state[prefix + "k_rope_proj.weight"] = k_rope
-        new_state[prefix + "k_up"] = up[:, :d_nope]
-        new_state[prefix + "v_up"] = up[:, d_nope:]
+        return new_q, basis.T @ w, k_rope, up[:, :d_nope], up[:, d_nope:]
+
+    rules = []  # one a layer, with that layer's covariance; MLP, norms, embeddings, LM head copied
+    for layer, cov in enumerate(covariances):
+        a = f"model.layers.{layer}.self_attn."
+        sources = (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+        targets = (a + "q_proj.weight", a + "kv_a_proj.weight", a + "k_rope_proj.weight", a + "k_up", a + "v_up")
+        rules.append(Rule(sources, targets, partial(attention, cov=cov)))
+    new_state = map_weights(model.state_dict(), rules)
+    target = ZooGQLAForCausalLM(config).to(torch.float64 if model.dtype == torch.float64 else torch.float32)
     own = target.state_dict()
-    missing = set(own) - set(new_state)
-    extra = set(new_state) - set(own)
-    if missing or extra:
-        raise RuntimeError(
-            f"TransGQLA mapping bug: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}."
-        )
+    check_mapped(new_state, own, "TransGQLA")
     target.load_state_dict({k: v.to(own[k].dtype) for k, v in new_state.items()})
     return target.to(model.dtype)
 

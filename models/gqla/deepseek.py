@@ -36,10 +36,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
 from models.registry import Converter, register_converter
+from models.weight_map import Rule, check_mapped, map_weights
 
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 DEEPSEEK_OPTIONS = ("num_kv_groups", "calibration_batches")
 DEFAULT_CALIBRATION_BATCHES = 8
+# A layer's attention weights, in both models (models/weight_map.py names; the rest keeps its name both ways).
+ATTENTION = "model.layers.{layer}.self_attn."
 # DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) are built with this eps whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
 # DeepSeek config field -> zoo gqla field, carried as they are.
@@ -145,25 +148,23 @@ def deepseek_state_to_gqla(state: dict[str, torch.Tensor], source_config, config
     # Per head [nope ; rope] rows of the query: reorder the rope rows of every head.
     q_rows = torch.cat([torch.arange(d_nope), d_nope + order])
     q_rows = (torch.arange(H)[:, None] * (d_nope + d_r) + q_rows).reshape(-1)
-    out = {}
-    for name, tensor in state.items():
-        head, _, leaf = name.rpartition("self_attn.")
-        if not head:
-            out[name] = tensor  # embeddings, norms, MLP, lm_head: the same names
-            continue
-        prefix = head + "self_attn."
-        if leaf in ("q_proj.weight", "q_b_proj.weight"):
-            out[name] = tensor[q_rows]
-        elif leaf == "kv_a_proj_with_mqa.weight":
-            out[prefix + "kv_a_proj.weight"] = tensor[:d_c]
-            out[prefix + "k_rope_proj.weight"] = tensor[d_c:][order]
-        elif leaf == "kv_b_proj.weight":
-            kv = tensor.reshape(H, d_nope + d_v, d_c)
-            out[prefix + "k_up"] = kv[:, :d_nope].contiguous()
-            out[prefix + "v_up"] = kv[:, d_nope:].contiguous()
-        else:  # q_a_proj, q_a_layernorm, kv_a_layernorm, o_proj: the same names and shapes
-            out[name] = tensor
-    return out
+
+    def split_kv(kv_b):  # [H (d_nope + d_v), d_c] -> per head k_up [H, d_nope, d_c], v_up [H, d_v, d_c]
+        kv = kv_b.reshape(H, d_nope + d_v, d_c)
+        return kv[:, :d_nope].contiguous(), kv[:, d_nope:].contiguous()
+
+    a = ATTENTION
+    # q_a_proj, q_a_layernorm, kv_a_layernorm, o_proj, embeddings, norms, MLP, lm_head: the same names and shapes.
+    rules = [
+        Rule(a + "{q:q_proj|q_b_proj}.weight", a + "{q}.weight", lambda q: q[q_rows]),
+        Rule(
+            a + "kv_a_proj_with_mqa.weight",
+            (a + "kv_a_proj.weight", a + "k_rope_proj.weight"),
+            lambda kv_a: (kv_a[:d_c], kv_a[d_c:][order]),
+        ),
+        Rule(a + "kv_b_proj.weight", (a + "k_up", a + "v_up"), split_kv),
+    ]
+    return map_weights(state, rules)
 
 
 @torch.no_grad()
@@ -172,10 +173,7 @@ def convert_deepseek(source_model) -> ZooGQLAForCausalLM:
     config = gqla_config(source_model.config)
     state = deepseek_state_to_gqla(source_model.state_dict(), source_model.config, config)
     target = ZooGQLAForCausalLM(config).to(source_model.dtype)
-    own = target.state_dict()
-    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or extra:  # a mapping bug: never leave zoo weights random
-        raise RuntimeError(f"DeepSeek -> gqla mapping bug: missing {missing[:4]}, unexpected {extra[:4]}.")
+    check_mapped(state, target.state_dict(), "DeepSeek -> gqla")
     target.load_state_dict(state)
     if getattr(source_model, "generation_config", None) is not None:
         target.generation_config = source_model.generation_config

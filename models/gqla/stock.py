@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from models.gqla.deepseek import CARRIED, LATENT_NORM_EPS
+from models.gqla.deepseek import ATTENTION, CARRIED, LATENT_NORM_EPS
+from models.weight_map import Rule, concat, load_mapped, map_weights
 
 # zoo gqla field -> DeepseekV3Config field, carried as they are: the same fields as the import's (both ways).
 
@@ -84,26 +85,14 @@ def deepseek_config(config) -> DeepseekV3Config:
 
 def gqla_state_to_deepseek(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """The zoo gqla's weights under DeepseekV3's names and shapes (models/gqla/deepseek.py's table, inverted)."""
-    d_c = config.kv_lora_rank
-    out = {}
-    for name, tensor in state.items():
-        head, _, leaf = name.rpartition("self_attn.")
-        if not head:
-            out[name] = tensor
-            continue
-        prefix = head + "self_attn."
-        if leaf == "kv_a_proj.weight":
-            out[prefix + "kv_a_proj_with_mqa.weight"] = torch.cat([tensor, state[prefix + "k_rope_proj.weight"]])
-        elif leaf == "k_rope_proj.weight":
-            continue  # stacked under kv_a_proj_with_mqa above
-        elif leaf == "k_up":
-            kv = torch.cat([tensor, state[prefix + "v_up"]], dim=1)  # [H, d_nope + d_v, d_c]: per head [k ; v]
-            out[prefix + "kv_b_proj.weight"] = kv.reshape(-1, d_c)
-        elif leaf == "v_up":
-            continue  # interleaved into kv_b_proj above
-        else:  # q_proj, q_a_proj, q_a_layernorm, q_b_proj, kv_a_layernorm, o_proj
-            out[name] = tensor
-    return out
+    d_c, a = config.kv_lora_rank, ATTENTION
+    # q_proj, q_a_proj, q_a_layernorm, q_b_proj, kv_a_layernorm, o_proj and the rest: the same names and shapes.
+    rules = [
+        Rule((a + "kv_a_proj.weight", a + "k_rope_proj.weight"), a + "kv_a_proj_with_mqa.weight", concat()),
+        # [H, d_nope + d_v, d_c]: per head [k ; v], rows interleaved per head
+        Rule((a + "k_up", a + "v_up"), a + "kv_b_proj.weight", lambda k, v: torch.cat([k, v], dim=1).reshape(-1, d_c)),
+    ]
+    return map_weights(state, rules)
 
 
 @torch.no_grad()
@@ -115,12 +104,9 @@ def to_deepseek(model) -> DeepseekV3ForCausalLM:
     stock_config = deepseek_config(config)
     stock_config.dtype = model.dtype
     state = gqla_state_to_deepseek({k: v.detach() for k, v in model.state_dict().items()}, config)
-    stock, info = DeepseekV3ForCausalLM.from_pretrained(
-        None, config=stock_config, state_dict=state, dtype=model.dtype, output_loading_info=True
+    stock = load_mapped(
+        DeepseekV3ForCausalLM, stock_config, state, model.dtype, "Exporting gqla to DeepseekV3ForCausalLM"
     )
-    incomplete = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if incomplete:  # a mapping bug: never leave stock weights random
-        raise RuntimeError(f"Exporting gqla to DeepseekV3ForCausalLM left weights unmapped: {incomplete}.")
     if getattr(model, "generation_config", None) is not None:
         stock.generation_config = model.generation_config
     return stock.to(model.device).eval()

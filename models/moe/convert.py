@@ -40,7 +40,6 @@ in fp32 (the zoo's on fp32 inputs, Mixtral's on fp64 logits rounded to fp32) (`t
 within 1e-6, same experts for every token, same greedy generation).
 """
 
-import re
 from pathlib import Path
 
 import torch
@@ -52,6 +51,7 @@ from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.configuration import ZooMoeConfig
 from models.moe.modeling import ZooMoeForCausalLM
 from models.registry import Converter, register_converter
+from models.weight_map import Rule, chunks, loading_gaps, map_weights, stack_copies
 
 UPCYCLABLE = ("llama", "zoo_llama")
 # The converter's options (train.convert reads them from its config; None there: the target config's
@@ -59,7 +59,8 @@ UPCYCLABLE = ("llama", "zoo_llama")
 MOE_OPTIONS = ("num_local_experts", "num_experts_per_tok", "moe_layer_freq", "router_aux_loss_coef")
 # config.json fields that describe the source file, not the model: not carried into the target config.
 NOT_COPIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
-MLP_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight")
+# A dense layer's MLP projection (models/weight_map.py names).
+MLP_WEIGHT = "model.layers.{layer}.mlp.{proj:gate_proj|up_proj|down_proj}.weight"
 
 
 def dense_config(source: str | Path) -> ZooLlamaConfig:
@@ -90,9 +91,9 @@ def _describe(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in given.items()) if given else "the default options"
 
 
-def stack_expert(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """One dense projection weight [out, in] copied into every expert slot: [E, out, in]."""
-    return weight.unsqueeze(0).expand(num_experts, *weight.shape).clone()
+def moe_layer(config):
+    """A weight-map rule's `when`: the weight is of one of `config`'s MoE layers."""
+    return lambda fields: config.is_moe_layer(int(fields["layer"]))
 
 
 def load_upcycled(model: nn.Module, state: dict[str, torch.Tensor], fresh: set[str]) -> nn.Module:
@@ -111,13 +112,11 @@ def load_upcycled(model: nn.Module, state: dict[str, torch.Tensor], fresh: set[s
 def upcycle_to_moe(dense: ZooLlamaForCausalLM, config: ZooMoeConfig) -> ZooMoeForCausalLM:
     """A `moe` model of `config` (the dense model's shapes) whose experts copy `dense`'s MLPs (module doc)."""
     model = ZooMoeForCausalLM(config).to(dense.dtype)
-    state, fresh = {}, set()
-    for name, value in dense.state_dict().items():
-        match = MLP_WEIGHT.fullmatch(name)
-        if match and config.is_moe_layer(int(match[1])):
-            state[f"model.layers.{match[1]}.mlp.experts.{match[2]}"] = stack_expert(value, config.num_local_experts)
-        else:
-            state[name] = value
+    # Each dense projection [out, in] copied into every expert slot: [E, out, in].
+    experts = Rule(
+        MLP_WEIGHT, "model.layers.{layer}.mlp.experts.{proj}", stack_copies(config.num_local_experts), moe_layer(config)
+    )
+    state, fresh = map_weights(dense.state_dict(), [experts]), set()
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
             # The router (and its balance bias, zero, when router_balance_bias is on) starts fresh.
@@ -196,8 +195,17 @@ MIXTRAL_IGNORED = ("output_router_logits",)
 # config.json keys of older transformers that MixtralConfig reads into its own fields.
 MIXTRAL_LEGACY_KEYS = ("rope_theta", "rope_scaling", "torch_dtype")
 ZOO_ROPE_TYPES = ("default", "llama3")  # models/common/rotary.py
-FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.gate_up_proj")
-MIXTRAL_ROUTER = re.compile(r"(model\.layers\.\d+\.mlp)\.gate\.weight")
+# transformers 5's Mixtral names -> the zoo moe's (models/weight_map.py); everything else keeps its name.
+MIXTRAL_MLP = "model.layers.{layer}.mlp."
+MIXTRAL_TO_ZOO = (
+    # [E, 2f, d], gate rows first (MixtralExperts: linear(x, gate_up_proj[e]).chunk(2) -> gate, up).
+    Rule(
+        MIXTRAL_MLP + "experts.gate_up_proj",
+        (MIXTRAL_MLP + "experts.gate_proj", MIXTRAL_MLP + "experts.up_proj"),
+        chunks(2, dim=1),
+    ),
+    Rule(MIXTRAL_MLP + "gate.weight", MIXTRAL_MLP + "router.gate.weight"),
+)
 
 
 def mixtral_refusals(config: MixtralConfig, raw: dict) -> list[str]:
@@ -291,18 +299,7 @@ def moe_config_from_mixtral(config: MixtralConfig, raw: dict | None = None, sour
 def mixtral_state_to_moe(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """MixtralForCausalLM's state dict (transformers 5's fused names) in the zoo moe's names. Consumes
     `state` (each tensor popped as it is mapped, so a large model is not held twice)."""
-    out = {}
-    for name in list(state):
-        value = state.pop(name)
-        if match := FUSED_EXPERTS.fullmatch(name):
-            # [E, 2f, d], gate rows first (MixtralExperts: linear(x, gate_up_proj[e]).chunk(2) -> gate, up).
-            gate, up = value.chunk(2, dim=1)
-            out[f"{match[1]}.gate_proj"], out[f"{match[1]}.up_proj"] = gate.contiguous(), up.contiguous()
-        elif match := MIXTRAL_ROUTER.fullmatch(name):
-            out[f"{match[1]}.router.gate.weight"] = value
-        else:
-            out[name] = value
-    return out
+    return map_weights(state, MIXTRAL_TO_ZOO, consume=True)
 
 
 def check_mixtral_to_moe(source: str | Path, **options) -> None:
@@ -318,8 +315,7 @@ def mixtral_to_moe(source: str | Path, dtype: torch.dtype | str = "auto", **opti
     moe_config = moe_config_from_mixtral(config, raw, source, **options)
     # transformers' loader reads either layout (and sharded files, and the hub) into its fused names.
     hf, info = MixtralForCausalLM.from_pretrained(str(source), dtype=dtype, output_loading_info=True)
-    incomplete = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if incomplete:
+    if incomplete := loading_gaps(info):
         raise ValueError(f"{source} is not a complete Mixtral checkpoint: {incomplete}; save or download it again.")
     dtype = hf.dtype
     state = mixtral_state_to_moe(dict(hf.state_dict()))

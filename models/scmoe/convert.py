@@ -24,19 +24,19 @@ retraining recovers it.
 `python -m train.convert converter=llama_to_scmoe source=DIR num_local_experts=4`.
 """
 
-import re
 from pathlib import Path
 
 from models.llama.modeling import ZooLlamaForCausalLM
-from models.moe.convert import MLP_WEIGHT, UPCYCLABLE, load_upcycled, stack_expert, target_config
+from models.moe.convert import MLP_WEIGHT, UPCYCLABLE, load_upcycled, moe_layer, target_config
 from models.registry import Converter
 from models.scmoe.configuration import ZooScMoeConfig
 from models.scmoe.modeling import ZooScMoeForCausalLM
+from models.weight_map import Rule, map_weights, stack_copies
 
 # The converter's options (None in train.convert's config: the ScMoE config's default). The shared
 # expert's width is the dense MLP's (it is a copy of it), so it is not an option.
 SCMOE_OPTIONS = ("num_local_experts", "num_experts_per_tok", "shortcut_position", "router_aux_loss_coef")
-POST_ATTENTION_NORM = re.compile(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight")
+POST_ATTENTION_NORM = "model.layers.{layer}.post_attention_layernorm.weight"
 
 
 def scmoe_config(source: str | Path, options: dict) -> ZooScMoeConfig:
@@ -49,18 +49,24 @@ def scmoe_config(source: str | Path, options: dict) -> ZooScMoeConfig:
 def upcycle_to_scmoe(dense: ZooLlamaForCausalLM, config: ZooScMoeConfig) -> ZooScMoeForCausalLM:
     """An `scmoe` model of `config` (the dense model's shapes) upcycled from `dense` (module doc)."""
     model = ZooScMoeForCausalLM(config).to(dense.dtype)
-    state = {}
-    for name, value in dense.state_dict().items():
-        state[name] = value
-        mlp, norm = MLP_WEIGHT.fullmatch(name), POST_ATTENTION_NORM.fullmatch(name)
-        if mlp and config.is_moe_layer(int(mlp[1])):
-            layer, proj = mlp[1], mlp[2]
-            del state[name]
-            state[f"model.layers.{layer}.shared_expert.{proj}.weight"] = value
-            state[f"model.layers.{layer}.mlp.experts.{proj}"] = stack_expert(value, config.num_local_experts)
-        elif norm and config.is_moe_layer(int(norm[1])):
-            state[f"model.layers.{norm[1]}.shortcut_layernorm.weight"] = value  # and kept as the block's own
-    fresh = set()
+    moe, stack = moe_layer(config), stack_copies(config.num_local_experts)
+    rules = [
+        # The dense MLP into the shared expert and, copied, into every routed expert.
+        Rule(
+            MLP_WEIGHT,
+            ("model.layers.{layer}.shared_expert.{proj}.weight", "model.layers.{layer}.mlp.experts.{proj}"),
+            lambda weight: (weight, stack(weight)),
+            moe,
+        ),
+        # The post-attention norm kept as the block's own and copied as the routed experts' pre-norm.
+        Rule(
+            POST_ATTENTION_NORM,
+            (POST_ATTENTION_NORM, "model.layers.{layer}.shortcut_layernorm.weight"),
+            lambda weight: (weight, weight),
+            moe,
+        ),
+    ]
+    state, fresh = map_weights(dense.state_dict(), rules), set()
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
             model.model.layers[i].shared_expert_gate.weight.data.zero_()  # g = 1/2 at the start
