@@ -4,10 +4,10 @@ A Hydra app over `conf/pretrain.yaml` (lightning-hydra-template layout) that tra
 with Lightning:
 
 0. checks, before anything is built or any process started: every config value in its range
-   (`check_config`: optimizer, training length, the layout against the processes, torchrun's included),
-   the run directory (`check_run_directory`: another run there is not overwritten unless
-   `overwrite=true`) and the checkpoint to continue from (the same model, not past `trainer.max_steps`,
-   finite weights);
+   (`check_config`, train/pretrain_checks.py: optimizer, training length, the layout against the processes,
+   torchrun's included), the run directory (`check_run_directory`, train/run_directory.py: another run
+   there is not overwritten unless `overwrite=true`) and the checkpoint to continue from (the same model,
+   not past `trainer.max_steps`, finite weights);
 1. seeds everything and instantiates the data module, the `CausalLMModule`, loggers, callbacks and
    the Trainer from the config; with a parallel degree above 1 (`parallel.{dp,ep,sp,tp}`) the Trainer
    runs on `train.strategy.ZooParallelStrategy` over those degrees, and `trainer.devices=auto` becomes
@@ -23,8 +23,8 @@ Everything it reports goes through `logging`: to the console and, under Hydra, t
 `<run dir>/pretrain.log` (Lightning's own messages and Python warnings too). Failures that need no
 traceback (`TrainingError`: a non-finite loss, an unreadable checkpoint, a rank that died) end the
 command with one error line and exit status 1; SIGTERM writes the checkpoint and exits 143
-(`train.callbacks.StopOnSigterm`); config errors are one line too (`train.cli`; a traceback with
-HYDRA_FULL_ERROR=1).
+(`train.callbacks.StopOnSigterm`; a lost rank and SIGTERM outside fit: train/pretrain_processes.py);
+config errors are one line too (`train.cli`; a traceback with HYDRA_FULL_ERROR=1).
 
 `train(cfg)` does all of this without Hydra's decorator (tests call it with a composed config).
 """
@@ -32,22 +32,16 @@ HYDRA_FULL_ERROR=1).
 import io
 import logging
 import math
-import os
-import signal
-import time
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -59,22 +53,15 @@ from parallel.state import full_state_dict
 from train import sharded_checkpoint
 from train.callbacks import StallNotice, StopOnSigterm
 from train.cli import one_sentence, one_sentence_errors, same_on_every_rank
-from train.data import CORPUS, is_local_source
 from train.export_checkpoint import export_streamed
-from train.module import (
-    NONFINITE_POLICIES,
-    CausalLMModule,
-    Interrupted,
-    TrainingError,
-    check_degrees,
-    engine_settings,
-    parallel_degrees,
-)
+from train.module import CausalLMModule, TrainingError, engine_settings, parallel_degrees
+from train.pretrain_checks import check_config, trainer_devices
+from train.pretrain_processes import explain_lost_ranks, process_group_of_this_run, sigterm_outside_fit
 from train.run_directory import (
     check_checkpoint_contents,
     check_checkpoint_fits,
     check_run_directory,
-    checkpoint_on_disk,
+    checkpoint_on_disk,  # noqa: F401 (a name of this app's, which tests import from here)
     find_resume_checkpoint,
     log_info,
     log_warning,
@@ -83,8 +70,6 @@ from train.run_directory import (
 from train.strategy import ZooParallelStrategy
 
 log = logging.getLogger(__name__)
-# In a rank that Lightning started, the parent is rank 0: if it changes, rank 0 is gone.
-_PARENT_PID = os.getppid()
 
 
 def resolve_precision(precision: str | int, accelerator, param_dtype: str | None = None) -> str | int:
@@ -109,206 +94,6 @@ def instantiate_group(group: DictConfig | None) -> list:
         for node in group.values()
         if node and "_target_" in node
     ]
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Catches the mistakes that would otherwise fail late: in the first forward, after the step-0
-    validation, or in processes already started. Cheap: nothing is loaded, only the model's config built."""
-    max_positions = cfg.model.config.get("max_position_embeddings")
-    if max_positions is not None and cfg.data.seq_len > max_positions:
-        raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} is longer than model.config.max_position_embeddings="
-            f"{max_positions}; use data.seq_len<={max_positions} or raise max_position_embeddings."
-        )
-    check_optimizer(cfg.optimizer)
-    check_training_length(cfg)
-    if cfg.get("nonfinite_loss", "stop") not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite_loss={cfg.nonfinite_loss!r}; use one of {', '.join(NONFINITE_POLICIES)}.")
-    if not isinstance(cfg.get("overwrite", False), bool):
-        raise ValueError(f"overwrite={cfg.overwrite!r} must be true or false.")
-
-    # A local path that does not exist (the hub is only asked later, by the data module).
-    if cfg.data.get("tokenizer") is not None:
-        is_local_source(str(cfg.data.tokenizer), "data.tokenizer")
-    if cfg.data.get("source", CORPUS) != CORPUS:
-        is_local_source(str(cfg.data.source), "data.source")
-
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    devices, num_nodes = cfg.trainer.get("devices", "auto"), cfg.trainer.get("num_nodes", 1)
-    if str(devices) == "auto":
-        devices = trainer_devices(cfg)
-    if accelerator in ("cuda", "gpu"):
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"trainer.accelerator={accelerator} but CUDA is not available on this machine (torch "
-                f"{torch.__version__}); use trainer.accelerator=auto or trainer=cpu."
-            )
-        if isinstance(devices, int) and devices > torch.cuda.device_count():
-            raise ValueError(
-                f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s); "
-                f"use trainer.devices<={torch.cuda.device_count()} (or more trainer.num_nodes)."
-            )
-
-    # Lightning starts trainer.devices processes on each of trainer.num_nodes nodes. The parallel degrees
-    # say how many there must be; a mismatch would fail only once every process is up.
-    degrees = parallel_degrees(cfg.get("parallel"))
-    engine_settings(cfg.get("parallel"))
-    world = math.prod(degrees.values())
-    layout = " x ".join(f"parallel.{d}={n}" for d, n in degrees.items() if n > 1) or "parallel=none"
-    strategy = cfg.trainer.get("strategy")
-    if strategy is not None and world > 1:
-        name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy
-        raise ValueError(
-            f"{layout} runs through train.strategy.ZooParallelStrategy, which train.pretrain sets itself, but "
-            f"trainer.strategy is {name}; drop it (trainer=ddp is data parallelism of an unsharded model: "
-            "use parallel.dp with the other degrees instead)."
-        )
-    n_devices = len(devices) if OmegaConf.is_list(devices) or isinstance(devices, list) else devices
-    if strategy is None and isinstance(num_nodes, int):
-        if world % num_nodes:
-            raise ValueError(
-                f"{layout} needs {world} processes, which trainer.num_nodes={num_nodes} nodes cannot share "
-                "evenly; use a number of nodes that divides it."
-            )
-        if isinstance(n_devices, int) and n_devices * num_nodes != world:
-            data_parallel = f", or parallel.dp={n_devices * num_nodes} for data parallelism" if world == 1 else ""
-            processes = f"{world} process" + ("es" if world > 1 else "")
-            raise ValueError(
-                f"{layout} needs {processes}, but trainer.devices={devices} x trainer.num_nodes="
-                f"{num_nodes} starts {n_devices * num_nodes}; set trainer.devices={world // num_nodes} (or "
-                f"leave it auto: the degrees decide){data_parallel}."
-            )
-    check_launcher_world(cfg, layout, world)
-    sp = degrees["sp"]
-    if sp > 1 and cfg.data.seq_len % sp:
-        seq_len = cfg.data.seq_len
-        lower, upper = seq_len - seq_len % sp, seq_len + sp - seq_len % sp
-        fits = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(
-            f"data.seq_len={seq_len} does not split over parallel.sp={sp} ranks (each holds seq_len / sp tokens "
-            f"of every sequence); use data.seq_len={fits}."
-        )
-    # The architecture's own check of the degrees, before any process starts (the module checks again,
-    # with the config of an init_from checkpoint too).
-    if world > 1 and not cfg.model.get("init_from"):
-        model_config = OmegaConf.to_container(cfg.model.config, resolve=True)
-        check_degrees(cfg.model.name, models.build_config(cfg.model.name, **model_config), degrees)
-
-
-OPTIMIZER_DEFAULTS = {"lr": 3.0e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup_steps": 100, "min_lr_ratio": 0.1}
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_optimizer(optimizer: DictConfig) -> None:
-    """Every `optimizer.*` value in its range, and no key the module would ignore (`+optimizer.lrr=...`)."""
-    unknown = sorted(set(optimizer) - set(OPTIMIZER_DEFAULTS))
-    if unknown:
-        import difflib
-
-        near = {k: difflib.get_close_matches(k, list(OPTIMIZER_DEFAULTS), n=1) for k in unknown}
-        hints = ", ".join(f"optimizer.{k}" + (f" (did you mean optimizer.{n[0]}?)" if n else "") for k, n in near.items())
-        raise ValueError(f"Unknown optimizer setting {hints}; the settings are {', '.join(OPTIMIZER_DEFAULTS)}.")
-    lr, warmup, ratio = optimizer.get("lr"), optimizer.get("warmup_steps"), optimizer.get("min_lr_ratio")
-    decay, betas = optimizer.get("weight_decay"), optimizer.get("betas")
-    if not _is_number(lr) or lr <= 0:
-        raise ValueError(f"optimizer.lr={lr!r} must be a positive number (the default is 3.0e-3).")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(
-            f"optimizer.warmup_steps={warmup!r} must be an integer >= 0 (optimizer steps of linear warm-up; 0: none)."
-        )
-    if not _is_number(ratio) or not 0 <= ratio <= 1:
-        raise ValueError(
-            f"optimizer.min_lr_ratio={ratio!r} must be in [0, 1] (the cosine decay ends at min_lr_ratio x optimizer.lr)."
-        )
-    if not _is_number(decay) or decay < 0:
-        raise ValueError(f"optimizer.weight_decay={decay!r} must be a number >= 0.")
-    if (
-        not OmegaConf.is_list(betas)
-        or len(betas) != 2
-        or not all(_is_number(b) and 0 <= b < 1 for b in betas)
-    ):
-        shown = OmegaConf.to_container(betas) if OmegaConf.is_list(betas) else betas
-        raise ValueError(f"optimizer.betas={shown!r} must be two numbers in [0, 1), e.g. [0.9, 0.95].")
-
-
-def check_training_length(cfg: DictConfig) -> None:
-    """`trainer.max_steps` (the schedule and the progress bar count optimizer steps) and the intervals."""
-    trainer = cfg.trainer
-    max_steps = trainer.get("max_steps")
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
-        raise ValueError(
-            f"trainer.max_steps={max_steps!r} must be an integer >= 1 (training length in optimizer steps; the "
-            "lr schedule decays to it)."
-        )
-    accumulate = trainer.get("accumulate_grad_batches", 1)
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1.")
-    interval = trainer.get("val_check_interval")
-    if interval is not None and (
-        not _is_number(interval) or (isinstance(interval, int) and interval < 1) or (isinstance(interval, float) and not 0 < interval <= 1)
-    ):
-        raise ValueError(
-            f"trainer.val_check_interval={interval!r} must be an integer >= 1 (training batches between validations) "
-            "or a fraction of an epoch in (0, 1]."
-        )
-    recompute = trainer.get("activation_checkpointing", "none")
-    if recompute not in ("none", "full", "selective"):
-        raise ValueError(
-            f"trainer.activation_checkpointing={recompute!r} must be none, full (each decoder layer recomputed) or "
-            "selective (matmul outputs saved, the rest recomputed)."
-        )
-    if not isinstance(trainer.get("compile", False), bool):
-        raise ValueError(f"trainer.compile={trainer.compile!r} must be true or false.")
-    peak = trainer.get("peak_tflops")
-    if peak is not None and (not _is_number(peak) or peak <= 0):
-        raise ValueError(f"trainer.peak_tflops={peak!r} must be a positive number (TFLOP/s per device) or null.")
-    clip = trainer.get("gradient_clip_val")
-    if clip is not None and (not _is_number(clip) or clip < 0):
-        raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping).")
-
-
-def check_launcher_world(cfg: DictConfig, layout: str, world: int) -> None:
-    """Under torchrun the processes are already started (Lightning's TorchElasticEnvironment starts none):
-    their number must be the one the config trains with, or each would train its own copy (parallel=none)
-    or the mesh would fail once every process is up. Checked before anything is built."""
-    if not (dist.is_available() and dist.is_torchelastic_launched()):
-        return
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    launcher = "torchrun"
-    strategy = cfg.trainer.get("strategy")
-    if strategy is None:
-        needed = world
-    else:  # trainer=ddp: Lightning's DDP over trainer.devices x trainer.num_nodes processes
-        devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-        if not isinstance(devices, int) or not isinstance(num_nodes, int):
-            return
-        needed = devices * num_nodes
-    if launched == needed:
-        return
-    if strategy is None and world == 1:
-        raise ValueError(
-            f"{launcher} started {launched} processes (WORLD_SIZE={launched}), but parallel=none trains in one: each "
-            f"would train its own copy into the same run directory; pass parallel.dp={launched} for data "
-            "parallelism over them, or start one process."
-        )
-    what = layout if strategy is None else f"trainer.devices={cfg.trainer.devices} x trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}"
-    raise ValueError(
-        f"{launcher} started {launched} processes (WORLD_SIZE={launched}), but {what} needs {needed}; start "
-        f"{needed} (torchrun --nproc-per-node={needed} on one node) or change the degrees."
-    )
-
-
-def trainer_devices(cfg: DictConfig):
-    """`trainer.devices` as the run uses it: `auto` means the processes per node the parallel degrees need
-    (one process without model parallelism), unless `trainer.strategy` is set (trainer=ddp): then
-    Lightning's own `auto` (every device of the node)."""
-    devices = cfg.trainer.get("devices", "auto")
-    if str(devices) != "auto" or cfg.trainer.get("strategy") is not None:
-        return devices
-    return math.prod(parallel_degrees(cfg.get("parallel")).values()) // cfg.trainer.get("num_nodes", 1)
 
 
 # Trainer settings of ours in conf/trainer, which Lightning's Trainer does not take (CausalLMModule and the
@@ -413,108 +198,10 @@ def name_multirun_job(cfg: DictConfig) -> None:
         wandb.name = f"{cfg.task_name}/{overrides}"
 
 
-def exit_status(returncode: int) -> str:
-    if returncode < 0:
-        return f"was killed by {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode}"
-
-
-def lost_rank(trainer: L.Trainer) -> str:
-    """The rank whose loss broke a collective, as far as this rank can tell."""
-    # Rank 0 started the other ranks of its node (Lightning's subprocess launcher) and can ask the OS.
-    # The others were started by rank 0 and are orphaned when it dies.
-    children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
-    # A dead process's sockets close (the error here) just before its exit is reported: wait a little.
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        ended = [(rank, p) for rank, p in enumerate(children, start=1) if p.poll() not in (None, 0)]
-        if ended:
-            return ", ".join(f"rank {rank} (pid {p.pid}) {exit_status(p.returncode)}" for rank, p in ended)
-        if trainer.global_rank != 0 and os.getppid() != _PARENT_PID:
-            return f"rank 0 (pid {_PARENT_PID}) is gone"
-        time.sleep(0.1)
-    stopped = [(rank, p) for rank, p in enumerate(children, start=1) if process_state(p.pid) == "T"]
-    if stopped:
-        return ", ".join(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP or a debugger)" for rank, p in stopped)
-    return "another rank stopped answering"
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of a Linux process (R running, S sleeping, T stopped, ...), None if unknown."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def end_other_ranks(trainer: L.Trainer) -> list[int]:
-    """Rank 0 kills the ranks it started that are still there (stopped or hung ones would otherwise outlive
-    the command, holding their devices); SIGKILL, the one signal a stopped process obeys. Their pids."""
-    children = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
-    for p in children:
-        p.kill()
-    for p in children:
-        p.wait(timeout=10)
-    return [p.pid for p in children]
-
-
-@contextmanager
-def explain_lost_ranks(trainer: L.Trainer, output_dir: Path):
-    """Turns the error a collective raises when another rank died (gloo: at once; otherwise after the
-    process group's timeout, `parallel.timeout_s`) into a `TrainingError` that names that rank."""
-    try:
-        yield
-    except TrainingError:
-        raise
-    except RuntimeError as error:
-        collective = isinstance(error, dist.DistError) or "gloo" in str(error)
-        if trainer.world_size == 1 or not collective:
-            raise
-        detail = str(error).splitlines()[0][:300]
-        lost = lost_rank(trainer)
-        ended = end_other_ranks(trainer) if trainer.global_rank == 0 else []
-        killed = f" Killed the ranks still running (pids {', '.join(map(str, ended))})." if ended else ""
-        why = " That rank's own output says why." if "stopped (SIGSTOP" not in lost else ""
-        raise TrainingError(
-            f"Rank {trainer.global_rank} stopped at step {trainer.global_step}: {lost}, so a collective failed "
-            f"({detail}).{killed}{why} {checkpoint_on_disk(output_dir)}"
-        ) from error
-
-
-@contextmanager
-def sigterm_outside_fit(trainer: L.Trainer, output_dir: Path):
-    """SIGTERM in a validation outside fit (step 0, the final one): Lightning stops with SIGTERMException, a
-    SystemExit with status 0; it becomes `Interrupted` (exit status 143) saying what is on disk. (During fit
-    `StopOnSigterm` writes the checkpoint first.)"""
-    try:
-        yield
-    except SIGTERMException:
-        raise Interrupted(
-            f"Stopped by SIGTERM at step {trainer.global_step} (in a validation). {checkpoint_on_disk(output_dir)}"
-        ) from None
-
-
 def train(cfg: DictConfig) -> dict:
     """Runs one pretraining job; returns its metrics and output paths (the same on every rank)."""
     with process_group_of_this_run():
         return _train(cfg)
-
-
-@contextmanager
-def process_group_of_this_run():
-    """A process group the run starts in this process (ZooParallelStrategy: Lightning starts one even for a
-    single process resuming a sharded checkpoint) ends with the run, and the environment Lightning exported for
-    it (MASTER_PORT, WORLD_SIZE, LOCAL_RANK, ...) is put back: a later run in the same process (eval.tour,
-    eval.replicate, train.convert's retraining) or a process it starts would otherwise take it for its own."""
-    started_here = not (dist.is_available() and dist.is_initialized())
-    environ = dict(os.environ)
-    try:
-        yield
-    finally:
-        if started_here and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-            os.environ.clear()
-            os.environ.update(environ)
 
 
 def _train(cfg: DictConfig) -> dict:
