@@ -1,13 +1,7 @@
 """Shared layers: every architecture in the zoo builds from these, none keeps its own copy."""
 
 from models.common.attention import Attention, make_causal_mask
-from models.common.causal_lm import (
-    ZooCausalLMOutput,
-    ZooDecoderModel,
-    ZooForCausalLM,
-    ZooModelOutput,
-    ZooPreTrainedModel,
-)
+from models.common.causal_lm import ZooCausalLMOutput, ZooDecoderModel, ZooForCausalLM, ZooModelOutput
 from models.common.decoder import PreNormDecoderLayer
 from models.common.mlp import SwiGLUMLP
 from models.common.moe import (
@@ -27,6 +21,7 @@ from models.common.moe import (
     update_balance_biases,
 )
 from models.common.norm import RMSNorm
+from models.common.pretrained import ZooPreTrainedModel
 from models.common.rotary import RotaryEmbedding, apply_rotary_pos_emb, rope_inv_freq
 
 __all__ = [

@@ -13,7 +13,9 @@ never drops; a number f: C = ceil(f * tokens * k / E), drops counted). `model.se
 switches both at run time.
 """
 
-from models.common.moe import EXPERT_IMPLS, check_expert_widths, check_moe_dispatch, check_top_k
+from models.common.moe_dispatch import check_moe_dispatch
+from models.common.moe_experts import EXPERT_IMPLS, check_expert_widths
+from models.common.moe_routing import check_top_k
 
 
 def is_number(value) -> bool:

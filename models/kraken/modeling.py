@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.cache import StaticKVCache
-from models.common.causal_lm import RESIDUAL_OUTPUT_PROJECTIONS
+from models.common.pretrained import RESIDUAL_OUTPUT_PROJECTIONS
 from models.kraken.configuration import ZooKrakenConfig
 from models.kraken.sharding import PLAN
 from parallel import comm

@@ -112,11 +112,11 @@ def check_heads(hidden_size: int, num_attention_heads: int, num_key_value_heads:
 
 def without_fields_of_source(config_class, config_dict: dict) -> dict:
     """A config.json of another architecture that this class may load (its `model_type` one of those
-    models/common/causal_lm.py's LOADS_FROM allows: a Ladder checkpoint read by the zoo llama) carries that
+    models/common/pretrained.py's LOADS_FROM allows: a Ladder checkpoint read by the zoo llama) carries that
     architecture's own fields (`ladder_layers`), which this class leaves out by design: they are dropped here,
     so that only fields neither architecture knows (typos) are refused. Any other model_type drops nothing
     (its fields are refused: that checkpoint is not this architecture's)."""
-    from models.common.causal_lm import LOADS_FROM  # (models.common imports no config: no cycle, but late)
+    from models.common.pretrained import LOADS_FROM  # (models.common imports no config: no cycle, but late)
 
     source_type = config_dict.get("model_type")
     if not source_type or source_type == config_class.model_type:

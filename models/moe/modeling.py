@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.causal_lm import _checkpoint_model_type
 from models.common.moe import MoeDispatchMixin, SparseMoE, hf_load_balance_loss, init_moe_weights
+from models.common.pretrained import _checkpoint_model_type
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
 from parallel import comm
@@ -86,7 +86,7 @@ class ZooMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, allow_random_experts: bool = False, **kwargs):
-        """The zoo's `from_pretrained` (models/common/causal_lm.py), plus: a Mixtral checkpoint is refused
+        """The zoo's `from_pretrained` (models/common/pretrained.py), plus: a Mixtral checkpoint is refused
         with the converter to use; with `ignore_mismatched_sizes=True`, router / expert tensors the checkpoint
         lacks are refused by name unless `allow_random_experts=True` (module docstring)."""
         path = pretrained_model_name_or_path
