@@ -6,7 +6,8 @@ steps under a timer (`WallTimer`: wall time, the device synchronised; `ClockTime
 virtual clock), with parallel.comm's counters per phase; `measure_interleaved` warms every architecture up
 (a compiled program compiles there) and interleaves the repeats across them (repeat r of every arch before
 repeat r+1, so slow drift in a shared machine's load hits every architecture alike); `summarize` turns the
-runs into a row's numbers (median, min-max, communication per forward, kernels per decode step).
+runs into a row's numbers (median, min-max, communication per forward, kernels per decode step). The decode loop
+itself is `decode_steps`; eval.gpu_check times its programs' decode steps through it and `WallTimer` too.
 """
 
 import statistics
@@ -134,13 +135,25 @@ def generate_once(program: Program, ids: torch.Tensor, new_tokens: int, timer) -
     prefill_phase["counts"] = program.counts("prefill", 1)
     comm.reset_counters()
     timer.start()
-    for _ in range(new_tokens - 1):
-        token, _ = program.step(model, token, cache)
-        if program.graphs is not None and token.is_cuda:
-            token = token.clone()  # a CUDA graph's output is overwritten by its next replay
+    decode_steps(program, token, cache, new_tokens - 1)
     decode = _phase(timer)
     decode["counts"] = program.counts("decode", new_tokens - 1)
     return {"prefill": prefill_phase, "decode": decode}
+
+
+def decode_steps(program: Program, token: torch.Tensor, cache, steps: int, mark_steps: bool = False,
+                 clone: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """`steps` greedy decode steps of `program` from `token` into `cache`; the last token. A CUDA graph's output is
+    overwritten by its next replay, so the token is cloned before it goes back in: by default where the program
+    is compiled and on CUDA; `clone=True` after every step. `mark_steps`: every step begins a new CUDA-graph step
+    (torch.compiler.cudagraph_mark_step_begin), as eval.gpu_check's timed runs mark their compiled steps."""
+    for _ in range(steps):
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        token, _ = program.step(program.model, token, cache)
+        if clone or (clone is None and program.graphs is not None and token.is_cuda):
+            token = token.clone()
+    return token
 
 
 def _phase(timer) -> dict:
