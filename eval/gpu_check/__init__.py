@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue 18, item 7): one script, one GPU, about six minutes, a Markdown + JSON report.
+"""The prepared GPU check: one script, one GPU, about six minutes, a Markdown + JSON report.
 
     python -m eval.gpu_check [--out reports/gpu-check-h200] [--quick] [--budget 420]
     python -m eval.gpu_check --device cpu --quick            # the same code path on a CPU, tiny shape (tests)

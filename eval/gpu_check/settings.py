@@ -18,7 +18,7 @@ DEFAULT_ARCHS = ("llama", "ladder", "kraken", "moe", "scmoe", "gqla")
 PREDICT_DEVICE = "h200"  # eval.simulator.device.DEVICES; h100-sxm where a checkout lacks it
 # The --help line.
 DESCRIPTION = (
-    "The prepared GPU check (issue 18, item 7): one script, one GPU, about six minutes, a Markdown + JSON report."
+    "The prepared GPU check: one script, one GPU, about six minutes, a Markdown + JSON report."
 )
 
 
