@@ -176,6 +176,17 @@ class Converter:
     calibration: int = 0
 
 
+def config_summary(*fields: str, **computed: Callable) -> Callable[[PreTrainedModel], dict]:
+    """A Converter's `summary`: the converted model's config `fields` by name, then each `computed` field as a
+    function of the config, in that order (the report's order)."""
+
+    def summary(model: PreTrainedModel) -> dict:
+        c = model.config
+        return {**{f: getattr(c, f) for f in fields}, **{name: fn(c) for name, fn in computed.items()}}
+
+    return summary
+
+
 CONVERTERS: dict[str, Converter] = {}
 
 

@@ -38,7 +38,7 @@ from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
-from models.registry import Converter
+from models.registry import Converter, config_summary
 from models.weight_map import Rule, check_mapped, map_weights
 
 CONVERTIBLE = ("llama", "zoo_llama")
@@ -219,17 +219,15 @@ def check_options(source, kv_lora_rank=None, qk_rope_head_dim=None, calibration_
     target_config(ZooLlamaConfig.from_pretrained(source), kv_lora_rank, qk_rope_head_dim)
 
 
-def summary(model: ZooGQLAForCausalLM) -> dict:
-    c = model.config
+def _kv_cache_fraction_absorb(c) -> float:
     llama_bytes = 2 * c.num_key_value_heads * c.head_dim * 2  # bf16 GQA K and V
-    return {
-        "kv_lora_rank": c.kv_lora_rank,
-        "qk_rope_head_dim": c.qk_rope_head_dim,
-        "qk_nope_head_dim": c.qk_nope_head_dim,
-        "num_kv_groups": c.num_kv_groups,
-        "kv_cache_fraction_absorb": round(c.kv_bytes_per_token("absorb") / llama_bytes, 6),
-    }
+    return round(c.kv_bytes_per_token("absorb") / llama_bytes, 6)
 
+
+summary = config_summary(
+    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "num_kv_groups",
+    kv_cache_fraction_absorb=_kv_cache_fraction_absorb,
+)
 
 LLAMA_TO_GQLA = Converter(
     name="llama_to_gqla",

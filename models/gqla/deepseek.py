@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
-from models.registry import Converter, register_converter
+from models.registry import Converter, config_summary, register_converter
 from models.weight_map import Rule, check_mapped, map_weights
 
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -218,16 +218,9 @@ def check_options(source, num_kv_groups=None, calibration_batches=None) -> None:
         check_groups(target, num_kv_groups)
 
 
-def summary(model: ZooGQLAForCausalLM) -> dict:
-    c = model.config
-    return {
-        "num_kv_groups": c.num_kv_groups,
-        "q_lora_rank": c.q_lora_rank,
-        "kv_lora_rank": c.kv_lora_rank,
-        "qk_rope_head_dim": c.qk_rope_head_dim,
-        "qk_nope_head_dim": c.qk_nope_head_dim,
-        "v_head_dim": c.v_head_dim,
-    }
+summary = config_summary(
+    "num_kv_groups", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"
+)
 
 
 DEEPSEEK_TO_GQLA = Converter(

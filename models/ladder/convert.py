@@ -10,7 +10,7 @@ from pathlib import Path
 
 from models.ladder.configuration import ZooLadderConfig
 from models.ladder.modeling import ZooLadderForCausalLM
-from models.registry import Converter
+from models.registry import Converter, config_summary
 
 CONVERTIBLE = ("llama", "zoo_llama", "zoo_ladder")
 
@@ -36,8 +36,7 @@ def check_ladder_layers(source: str | Path, ladder_layers: int | list[int]) -> N
     ZooLadderConfig.from_pretrained(source, ladder_layers=ladder_layers)
 
 
-def summary(model: ZooLadderForCausalLM) -> dict:
-    return {"ladder_layers": model.config.ladder_layers, "num_hidden_layers": model.config.num_hidden_layers}
+summary = config_summary("ladder_layers", "num_hidden_layers")
 
 
 LLAMA_TO_LADDER = Converter(

@@ -50,7 +50,7 @@ from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.configuration import ZooMoeConfig
 from models.moe.modeling import ZooMoeForCausalLM
-from models.registry import Converter, register_converter
+from models.registry import Converter, config_summary, register_converter
 from models.weight_map import Rule, chunks, loading_gaps, map_weights, stack_copies
 
 UPCYCLABLE = ("llama", "zoo_llama")
@@ -135,15 +135,9 @@ def llama_to_moe(source: str | Path, **options) -> ZooMoeForCausalLM:
     return upcycle_to_moe(ZooLlamaForCausalLM.from_pretrained(source), config)
 
 
-def summary(model: ZooMoeForCausalLM) -> dict:
-    c = model.config
-    return {
-        "num_local_experts": c.num_local_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "moe_layer_freq": c.moe_layer_freq,
-        "num_moe_layers": c.num_moe_layers,
-        "num_hidden_layers": c.num_hidden_layers,
-    }
+summary = config_summary(
+    "num_local_experts", "num_experts_per_tok", "moe_layer_freq", "num_moe_layers", "num_hidden_layers"
+)
 
 
 LLAMA_TO_MOE = Converter(
@@ -326,15 +320,9 @@ def mixtral_to_moe(source: str | Path, dtype: torch.dtype | str = "auto", **opti
     return ZooMoeForCausalLM.from_pretrained(None, config=moe_config, state_dict=state, dtype=dtype)
 
 
-def mixtral_summary(model: ZooMoeForCausalLM) -> dict:
-    c = model.config
-    return {
-        "num_local_experts": c.num_local_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "num_hidden_layers": c.num_hidden_layers,
-        "router_aux_loss_coef": c.router_aux_loss_coef,
-        "router_aux_loss_style": c.router_aux_loss_style,
-    }
+mixtral_summary = config_summary(
+    "num_local_experts", "num_experts_per_tok", "num_hidden_layers", "router_aux_loss_coef", "router_aux_loss_style"
+)
 
 
 MIXTRAL_TO_MOE = Converter(

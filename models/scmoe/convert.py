@@ -28,7 +28,7 @@ from pathlib import Path
 
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.convert import MLP_WEIGHT, UPCYCLABLE, load_upcycled, moe_layer, target_config
-from models.registry import Converter
+from models.registry import Converter, config_summary
 from models.scmoe.configuration import ZooScMoeConfig
 from models.scmoe.modeling import ZooScMoeForCausalLM
 from models.weight_map import Rule, map_weights, stack_copies
@@ -86,15 +86,9 @@ def llama_to_scmoe(source: str | Path, **options) -> ZooScMoeForCausalLM:
     return upcycle_to_scmoe(ZooLlamaForCausalLM.from_pretrained(source), config)
 
 
-def summary(model: ZooScMoeForCausalLM) -> dict:
-    c = model.config
-    return {
-        "num_local_experts": c.num_local_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "shortcut_position": c.shortcut_position,
-        "num_moe_layers": c.num_moe_layers,
-        "num_hidden_layers": c.num_hidden_layers,
-    }
+summary = config_summary(
+    "num_local_experts", "num_experts_per_tok", "shortcut_position", "num_moe_layers", "num_hidden_layers"
+)
 
 
 LLAMA_TO_SCMOE = Converter(
