@@ -1,4 +1,5 @@
-"""Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs, the report is written under
+"""Smoke test of the zoo tour (`make demo`) at toy sizes: every stage runs (the prediction step at the tiny
+shape), the report leads with quality beside predicted speed-up and is written under
 the run directory, and nothing else is written into the checkout (the tour runs in a copy of it).
 Slow (3-5 minutes on 2 cores): excluded from `make test`; run with `pytest -m slow`."""
 
@@ -29,6 +30,15 @@ OVERRIDES = [
     "benches.gqla.overrides=['bench_preset=gqla','bench_shape=tiny','tp=[2]','batch_sizes=[1]','repeats=1',"
     "'real.enabled=false','decode_paths.batch_sizes=[1]','decode_paths.q_lens=[1]','decode_paths.steps=2',"
     "'decode_paths.repeats=1','decode_paths.accounting_shape=null','logger=none']",
+    # the prediction step at the tiny shape (the tour's: Llama 3 8B)
+    "predict.common=['compute=h100-sxm','bench_shape=tiny','prompt_len=16','new_tokens=4','batch_sizes=[1,16]',"
+    "'simulated.links=[nvlink-h100]','upper_bound.enabled=false','logger=none']",
+    "predict.families.tensor_parallel.overrides=['tp=[2]']",
+    "predict.families.expert_parallel.overrides=['bench_preset=moe','ep=[2]','expert_throughput.enabled=false']",
+    "predict.families.sequence_parallel.overrides=['bench_preset=sp','bench_shape.num_hidden_layers=1',"
+    "'sequence_parallel.lengths=[512]','sequence_parallel.sp=[4]','sequence_parallel.ranks=[last]',"
+    "'sequence_parallel.links=[nvlink-h100]','sequence_parallel.device_points=[]','sequence_parallel.bytes.lengths=[512]',"
+    "'sequence_parallel.bytes.sp=[4]','sequence_parallel.bytes.extra_points=[]']",
 ]
 
 
@@ -62,11 +72,13 @@ def test_tour_writes_report_under_outputs_and_nothing_else(tmp_path):
     (run,) = (checkout / "outputs" / "tour").iterdir()
     report = run / "report"
     text = (report / "README.md").read_text()
-    for heading in ("## Quality at equal tokens", "## Llama -> Ladder conversion", "## Llama -> GQLA conversion",
-                    "## Speed: tensor parallelism", "## Speed: expert parallelism", "## Speed: GQLA",
-                    "### Decode paths"):
+    for heading in ("## At a glance", "## Quality at equal tokens", "## Llama -> Ladder conversion",
+                    "## Llama -> GQLA conversion", "## Every schedule runs: tensor parallelism",
+                    "## Every schedule runs: expert parallelism", "## Every schedule runs: GQLA", "### Decode paths"):
         assert heading in text
-    assert "## Speed: sequence parallelism" not in text  # its baseline, linear, was not trained
+    assert text.index("## At a glance") < text.index("## Quality at equal tokens") < text.index("## Every schedule runs")
+    assert "## Every schedule runs: sequence parallelism" not in text  # its baseline, linear, was not trained
+    assert not list(report.glob("*hidden_fraction*.png"))  # timing noise at a tiny shape on a CPU: not plotted
     for arch in ("llama", "parallel", "ladder", "ladder (converted from llama)", "moe", "scmoe", "linear_hybrid",
                  "gqla", "gqla (converted from llama)"):
         assert f"| {arch} |" in text
@@ -74,9 +86,12 @@ def test_tour_writes_report_under_outputs_and_nothing_else(tmp_path):
     glance = json.loads((report / "tour.json").read_text())["glance"]
     counts = {row["arch"]: (row["params"], row["active params"]) for row in glance}
     assert counts["llama"][0] == counts["llama"][1] and counts["moe"][1] < counts["moe"][0]
-    assert {row["arch"]: row.get("against") for row in glance} == {
-        "llama": "llama", "parallel": "llama", "ladder": "llama", "moe": "moe", "scmoe": "moe", "linear_hybrid": None,
+    assert {row["arch"]: row["quality against"] for row in glance} == {
+        "llama": "llama", "parallel": "llama", "ladder": "llama", "moe": "moe", "scmoe": "moe", "linear_hybrid": "llama",
         "gqla": "llama",
     }
+    # every architecture predicted (tiny shape here): a speed-up at batch 1, each baseline at 1
+    assert all(row["speed-up, batch 1"] is not None for row in glance)
+    assert {row["arch"]: row["speed-up, batch 1"] for row in glance if row["arch"] in ("llama", "moe")} == {"llama": 1.0, "moe": 1.0}
     assert (report / "loss_curves.png").stat().st_size > 0
     assert list((run / "wandb").glob("offline-run-*"))

@@ -8,7 +8,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 import models
-from eval.tour import seed_noise_line, zero_computation_mix
+from eval.tour_report import seed_noise_line, zero_computation_mix
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
