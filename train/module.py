@@ -17,130 +17,59 @@ different tokens (`models.common.moe.update_balance_biases`); for any other mode
 It also guards training: a non-finite loss or gradient stops the run (`nonfinite_loss=stop`, before the
 update, so the last checkpoint holds good weights) or skips that update (`skip`); and on resume the
 optimizer settings of the config win over the checkpoint's (`optimizer.lr changed ... : applied`).
+
+Its parts of their own: the optimizer, its schedule and what a resumed run takes from its checkpoint
+(train/optimization.py), the `parallel` settings (train/parallel_config.py) and the failures a run explains
+in one line (train/errors.py); their names are imported from here too.
 """
 
 import logging
 import math
 import time
-from functools import partial
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import models
 import parallel
-from models.checkpoint import nonfinite_counts
 from models.common.moe import TopKRouter, update_balance_biases
 from models.llama.configuration import check_fields
 from parallel.fsdp import apply_fsdp, is_fsdp
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
-from parallel.layout import PARALLEL_NAMES
 from parallel.mesh import DIM_ORDER
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
 from train.activation_checkpointing import apply_activation_checkpointing, compile_layers
-from train.cli import ExplainedError
 from train.data import next_token_targets
+from train.errors import Interrupted, NonFiniteLossError, TrainingError, describe_nonfinite, nonfinite_tensors
 from train.metrics import IGNORE_INDEX, summed_token_loss
+from train.optimization import OptimizationHooks, warmup_cosine
+from train.parallel_config import check_degrees, engine_settings, parallel_degrees
+
+# This module's own names and, imported from here across train/ and the tests, those of the files it is built from.
+__all__ = [
+    "NONFINITE_POLICIES",
+    "CausalLMModule",
+    "Interrupted",
+    "NonFiniteLossError",
+    "PrintValPerplexity",
+    "TrainingError",
+    "check_degrees",
+    "describe_nonfinite",
+    "engine_settings",
+    "nonfinite_tensors",
+    "parallel_degrees",
+    "warmup_cosine",
+]
 
 NONFINITE_POLICIES = ("stop", "skip")
 
 log = logging.getLogger(__name__)
 
 
-class TrainingError(ExplainedError):
-    """A failure explained in its message: `train.pretrain` reports it in one line, without a traceback."""
-
-
-class NonFiniteLossError(TrainingError):
-    """The loss or the gradient of a step is NaN or infinite (`nonfinite_loss=stop`)."""
-
-
-class Interrupted(TrainingError):
-    """The run was stopped by SIGTERM (what schedulers send) after writing its checkpoint. Exit status 143
-    (128 + SIGTERM, the shell's convention for a process ended by that signal): not a success to a scheduler,
-    and a requeued job with the same run directory resumes from the checkpoint."""
-
-    exit_code = 143
-
-
-def nonfinite_tensors(state: dict, limit: int = 5) -> list[str]:
-    """The floating-point tensors of `state` holding NaN or infinite values, as `name (k NaN, j inf of n)`
-    (the first `limit`, then how many more)."""
-    return describe_nonfinite(nonfinite_counts(state.items()), limit)
-
-
-def describe_nonfinite(counts, limit: int = 5) -> list[str]:
-    """`(name, NaN count, inf count, values)` tuples in words, as `nonfinite_tensors` gives them."""
-    found = []
-    for name, nan, inf, numel in counts:
-        parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
-        found.append(f"{name} ({', '.join(p for p in parts if p)} of {numel})")
-    if len(found) > limit:
-        found = [*found[:limit], f"and {len(found) - limit} more"]
-    return found
-
-
-def parallel_degrees(parallel: dict | None) -> dict[str, int]:
-    """The degrees of a `parallel` config (conf/parallel): {"dp": .., "ep": .., "sp": .., "tp": ..}, each
-    a positive integer (1 when not given); one clear error for a value or a key that is not one."""
-    parallel = dict(parallel or {})
-    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s", *ENGINE_SETTINGS})
-    if unknown:
-        raise ValueError(
-            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)}, timeout_s "
-            f"and {', '.join(ENGINE_SETTINGS)}."
-        )
-    degrees = {dim: parallel.get(dim, 1) for dim in DIM_ORDER}
-    for dim, degree in degrees.items():
-        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-            raise ValueError(
-                f"parallel.{dim}={degree!r} must be a positive integer (the {PARALLEL_NAMES[dim]}-parallel degree)."
-            )
-    return degrees
-
-
-# The data-parallel engine's settings in conf/parallel, with their defaults (train.strategy reads them).
-ENGINE_SETTINGS = {"fsdp": True, "reshard_after_forward": True, "param_dtype": None}
-PARAM_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def engine_settings(parallel: dict | None) -> dict:
-    """`parallel.fsdp` (FSDP2 over the data ranks, sharded checkpoints; false: the replicated trainer),
-    `parallel.reshard_after_forward` and `parallel.param_dtype` (FSDP's mixed precision: parameters cast to
-    it for compute, gradients reduced in fp32; null: as the trainer's precision), checked."""
-    parallel = dict(parallel or {})
-    settings = {k: parallel.get(k, v) for k, v in ENGINE_SETTINGS.items()}
-    for key in ("fsdp", "reshard_after_forward"):
-        if not isinstance(settings[key], bool):
-            raise ValueError(f"parallel.{key}={settings[key]!r} must be true or false.")
-    if settings["param_dtype"] is not None and settings["param_dtype"] not in PARAM_DTYPES:
-        raise ValueError(
-            f"parallel.param_dtype={settings['param_dtype']!r} must be null or one of {', '.join(PARAM_DTYPES)}."
-        )
-    return settings
-
-
-def check_degrees(model_name: str, config, degrees: dict[str, int]) -> None:
-    """One clear error if architecture `model_name` with `config` cannot run at `degrees`: its sharding.py's
-    `check_layout` (which also refuses a degree above 1 over a dimension it has no layout for)."""
-    models.get(model_name).check_layout(config, degrees)
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warm-up to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio`."""
-    if step < warmup_steps:
-        # (step + 1): the very first update already moves the weights
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(OptimizationHooks, L.LightningModule):
     """Next-token-prediction training of `models.build_model(model_name, vocab_size=..., **model_config)`.
 
     Args:
@@ -459,114 +388,6 @@ class CausalLMModule(L.LightningModule):
         self.log("val/ppl", ppl, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.val_history.append((self.trainer.global_step, loss, ppl))
-
-    # ------------------------------------------------------------------------------------- optimization
-
-    def configure_optimizers(self):
-        hp = self.hparams.optimizer
-        # No weight decay on embeddings (tied to the LM head in the tiny models), norm gains and biases:
-        # decaying them only pulls useful scales towards zero.
-        embedding_ids = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
-        decay, no_decay = [], []
-        for param in self.model.parameters():
-            if param.requires_grad:
-                (no_decay if param.ndim < 2 or id(param) in embedding_ids else decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": hp["weight_decay"]},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=hp["lr"],
-            betas=tuple(hp["betas"]),
-        )
-        total_steps = int(self.trainer.estimated_stepping_batches)
-        # The warm-up is not shortened to fit max_steps: the lr of step k then does not depend on max_steps
-        # while k is in warm-up, so a run continued to a higher max_steps is the run that never stopped
-        # (train.pretrain warns when max_steps ends inside the warm-up). warmup_steps=0 is no warm-up.
-        schedule = partial(
-            warmup_cosine,
-            warmup_steps=max(1, hp["warmup_steps"]),
-            total_steps=total_steps,
-            min_lr_ratio=hp["min_lr_ratio"],
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    # ------------------------------------------------------------------------------------- checkpoints
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["val_at_start"] = self.val_at_start
-        checkpoint["val_history"] = self.val_history
-        # the horizon of the schedule the steps so far followed, for the note on resume
-        checkpoint["max_steps"] = self.trainer.max_steps
-        count_cut_epoch_as_unfinished(checkpoint, self.trainer)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.val_at_start = checkpoint.get("val_at_start")
-        self.val_history = list(checkpoint.get("val_history", []))
-        self._resumed_max_steps = checkpoint.get("max_steps")
-        # Lightning restores the optimizer and schedule with the checkpoint's lr, betas and weight
-        # decay after this hook; on_train_start replaces them with this run's.
-        self._resumed_optimizer_settings = checkpoint.get("hyper_parameters", {}).get("optimizer")
-
-    def on_train_start(self) -> None:
-        if self._resumed_optimizer_settings is not None:
-            self._apply_optimizer_settings(self._resumed_optimizer_settings)
-            self._resumed_optimizer_settings = None
-        saved, now = self._resumed_max_steps, self.trainer.max_steps
-        if saved is not None and saved != now and self.trainer.is_global_zero:
-            step, warmup = self.trainer.global_step, self.hparams.optimizer["warmup_steps"]
-            past = (
-                f"; steps {warmup}..{step - 1} already followed the decay towards step {saved}"
-                if step > warmup
-                else " (the steps so far were all warm-up, which does not depend on it)"
-            )
-            log.info(f"trainer.max_steps changed {saved} -> {now} on resume: the cosine decay now ends at step {now}{past}")
-        self._resumed_max_steps = None
-
-    def _apply_optimizer_settings(self, saved: dict) -> None:
-        """Puts this run's `optimizer.*` settings into the optimizer and schedule restored from a
-        checkpoint (trained with `saved`), so that a changed setting takes effect from the first step."""
-        hp = self.hparams.optimizer
-        optimizer = self.optimizers(use_pl_optimizer=False)
-        scheduler = self.lr_schedulers()
-        decay_group = optimizer.param_groups[0]  # the groups configure_optimizers built: decay, no decay
-        decay_group["weight_decay"] = hp["weight_decay"]
-        for group in optimizer.param_groups:
-            group["betas"] = tuple(hp["betas"])
-            group["initial_lr"] = hp["lr"]
-        scheduler.base_lrs = [hp["lr"]] * len(optimizer.param_groups)
-        # The lr of the coming step: the restored one was the checkpoint's lr at the checkpoint's
-        # schedule. The schedule itself (warmup_steps, min_lr_ratio, max_steps) is already this run's:
-        # configure_optimizers built it and LambdaLR does not save its function.
-        for group, base_lr, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
-            group["lr"] = base_lr * schedule(scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        if self.trainer.is_global_zero:
-            for key in sorted(hp):
-                if key in saved and saved[key] != hp[key]:
-                    log.info(f"optimizer.{key} changed {saved[key]} -> {hp[key]} on resume: applied")
-
-
-def count_cut_epoch_as_unfinished(checkpoint: dict, trainer: L.Trainer) -> None:
-    """A checkpoint written after fit stopped at `trainer.max_steps` in the middle of an epoch: saved as the
-    middle of that epoch, the fit loop's state in every periodic checkpoint (epoch started, not processed).
-
-    Lightning's FitLoop counts the epoch that max_steps cut short as processed and completed; a run continued
-    from that state (a higher max_steps) would start the next epoch, reshuffled, skipping the rest of this
-    one, while the same run never stopped goes on with this epoch's next batch. The train loader's own
-    position (`ResumableDataLoader`, batches consumed) is in the checkpoint either way."""
-    fit = (checkpoint.get("loops") or {}).get("fit_loop")
-    if not fit or trainer.max_steps is None or trainer.global_step < trainer.max_steps:
-        return
-    epoch, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]["current"]
-    current = epoch["current"]
-    counted_done = current["ready"] == current["started"] == current["processed"] == current["completed"] > 0
-    batches_left = batches["completed"] < trainer.num_training_batches
-    if counted_done and batches_left:
-        for progress in (epoch["total"], epoch["current"]):
-            progress["processed"] -= 1
-            progress["completed"] -= 1
 
 
 class PrintValPerplexity(L.Callback):

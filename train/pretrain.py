@@ -53,8 +53,10 @@ from parallel.state import full_state_dict
 from train import sharded_checkpoint
 from train.callbacks import StallNotice, StopOnSigterm
 from train.cli import one_sentence, one_sentence_errors, same_on_every_rank
+from train.errors import TrainingError
 from train.export_checkpoint import export_streamed
-from train.module import CausalLMModule, TrainingError, engine_settings, parallel_degrees
+from train.module import CausalLMModule
+from train.parallel_config import engine_settings, parallel_degrees
 from train.pretrain_checks import check_config, trainer_devices
 from train.pretrain_processes import explain_lost_ranks, process_group_of_this_run, sigterm_outside_fit
 from train.run_directory import (

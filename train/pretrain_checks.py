@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 from train.data import CORPUS, is_local_source
-from train.module import NONFINITE_POLICIES, check_degrees, engine_settings, parallel_degrees
+from train.module import NONFINITE_POLICIES
+from train.parallel_config import check_degrees, engine_settings, parallel_degrees
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -16,7 +16,7 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from train.module import Interrupted, TrainingError
+from train.errors import Interrupted, TrainingError
 from train.run_directory import checkpoint_on_disk
 
 # In a rank that Lightning started, the parent is rank 0: if it changes, rank 0 is gone.
