@@ -20,6 +20,7 @@ On an ep x tp mesh the ep all-to-alls run among the ranks of one tp coordinate.
 
 from dataclasses import dataclass
 
+from models.registry import Collectives
 from parallel.layout import check_divisible, check_planned
 
 
@@ -60,3 +61,18 @@ class MoeLayout:
         if self.dense_mlps and config.num_moe_layers < config.num_hidden_layers:
             sizes["intermediate_size"] = config.intermediate_size
         check_divisible(sizes, degrees.get("tp", 1), "tp")
+
+
+def ep_collectives(config, blocks: int, rows_per_token: float) -> dict[str, Collectives]:
+    """The ep collectives of one forward over `blocks` MoE blocks (module docstring), for an entry.py's
+    `collectives_per_forward`: per block two all-to-alls (dispatch, combine) of `rows_per_token` rows of d
+    values per token each, and one exchange of the per-expert counts (8 E bytes per call whatever the batch:
+    declared with 0 values per token). With `moe_dispatch="padded"` each all-to-all carries E C rows
+    (`config.padded_rows_per_token` per token) and no count is exchanged."""
+    d = config.hidden_size
+    if config.padded_rows_per_token is not None:
+        return {"all_to_all": Collectives(2 * blocks, 2 * blocks * config.padded_rows_per_token * d)}
+    return {
+        "all_to_all": Collectives(2 * blocks, 2 * blocks * rows_per_token * d),
+        "exchange_splits": Collectives(blocks, 0),
+    }

@@ -1,5 +1,6 @@
 """What shared code needs to know about MoE++ beyond its classes (see models/registry.py)."""
 
+from models.common.moe_sharding import ep_collectives
 from models.moepp.configuration import ZooMoeppConfig
 from models.registry import Collectives
 
@@ -50,9 +51,6 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     out = {}
     if tp > 1:
         out["all_reduce"] = Collectives(layers, layers * d)
-    if ep > 1 and config.padded_rows_per_token is not None:
-        out["all_to_all"] = Collectives(2 * layers, 2 * layers * config.padded_rows_per_token * d)
-    elif ep > 1:
-        out["all_to_all"] = Collectives(2 * layers, 2 * layers * k_eff(config) * d)
-        out["exchange_splits"] = Collectives(layers, 0)
+    if ep > 1:
+        out.update(ep_collectives(config, layers, k_eff(config)))
     return out

@@ -1,5 +1,6 @@
 """What shared code needs to know about ScMoE beyond its classes (see models/registry.py)."""
 
+from models.common.moe_sharding import ep_collectives
 from models.registry import Collectives
 from models.scmoe.configuration import ZooScMoeConfig
 
@@ -32,9 +33,6 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     out = {}
     if tp > 1:
         out["all_reduce"] = Collectives(2 * layers, 2 * layers * d)
-    if ep > 1 and config.padded_rows_per_token is not None:
-        out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.padded_rows_per_token * d)
-    elif ep > 1:
-        out["all_to_all"] = Collectives(2 * moe, 2 * moe * config.num_experts_per_tok * d)
-        out["exchange_splits"] = Collectives(moe, 0)
+    if ep > 1:
+        out.update(ep_collectives(config, moe, config.num_experts_per_tok))
     return out
