@@ -152,6 +152,24 @@ class SparseMoE(nn.Module):
         self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.long), persistent=False)
         self.ep_group = None  # set by parallel.parallelize; None = every expert on this device
 
+    @classmethod
+    def from_config(cls, config, **extra) -> "SparseMoE":
+        """The MoE block of an MoE config (models/common/moe_config.py): E = `num_local_experts` experts
+        `intermediate_size` wide, top `num_experts_per_tok`, and the config's balance-loss weight, capacity,
+        experts implementation and dispatch; `extra`: the router options an architecture sets itself."""
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            aux_loss_coef=config.router_aux_loss_coef,
+            capacity_factor=config.capacity_factor,
+            impl=config.experts_impl,
+            moe_dispatch=config.moe_dispatch,
+            dispatch_capacity_factor=config.dispatch_capacity_factor,
+            **extra,
+        )
+
     def dispatch(self, x: torch.Tensor) -> tuple[MoEDispatch | PaddedDispatch, Routing]:
         """Route x [T, d] and ISSUE its dispatch all-to-all (over `ep_group`), with this block's capacity and
         dispatch (`moe_dispatch`: dropless, or padded, whose drops are added to `dropped_assignments`).

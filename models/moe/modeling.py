@@ -51,18 +51,10 @@ class MoeDecoderLayer(PreNormDecoderLayer):
             # Under the dense MLP's attribute name, as HF Mixtral and Qwen-MoE do. It replaces the dense MLP
             # the shared layer built (rather than taking its place through `make_mlp`, as MoE++'s does): that
             # MLP's construction draws from the random generator, so the models a seed gives stay the same.
-            self.mlp = SparseMoE(
-                config.hidden_size,
-                config.intermediate_size,
-                config.num_local_experts,
-                config.num_experts_per_tok,
+            self.mlp = SparseMoE.from_config(
+                config,
                 score_func=config.router_score_func,
                 balance_bias=config.router_balance_bias,
-                aux_loss_coef=config.router_aux_loss_coef,
-                capacity_factor=config.capacity_factor,
-                impl=config.experts_impl,
-                moe_dispatch=config.moe_dispatch,
-                dispatch_capacity_factor=config.dispatch_capacity_factor,
                 aux_loss_style=config.router_aux_loss_style,
             )
         self.token_mask = None  # [B, T] padding mask of the current forward, for the "hf" balance loss

@@ -82,18 +82,7 @@ class ScMoeBlock(PreNormAttention, nn.Module):
         self.shared_expert = SwiGLUMLP(d, config.shared_expert_intermediate_size, bias=config.mlp_bias)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)  # W_cg
         self.shortcut_layernorm = RMSNorm(d, eps=config.rms_norm_eps)  # the routed experts'
-        self.mlp = SparseMoE(
-            d,
-            config.intermediate_size,
-            config.num_local_experts,
-            config.num_experts_per_tok,
-            renormalize=False,
-            aux_loss_coef=config.router_aux_loss_coef,
-            capacity_factor=config.capacity_factor,
-            impl=config.experts_impl,
-            moe_dispatch=config.moe_dispatch,
-            dispatch_capacity_factor=config.dispatch_capacity_factor,
-        )
+        self.mlp = SparseMoE.from_config(config, renormalize=False)
         self.tp_group = None  # set by parallel.parallelize; None = single device
 
     def dispatch_shortcut(self, shortcut: torch.Tensor):
