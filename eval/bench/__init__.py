@@ -15,7 +15,8 @@ One module per job; each section's reporting beside it:
 |---|---|
 | `__main__.py` | the Hydra app: `python -m eval.bench` |
 | `app.py` | `check_settings`, `run_bench` (every section in turn), results.json; `run_bench_overrides` for the tour and eval.at_scale |
-| `settings.py` | degree points, compute, links, a shape as an architecture's config, the checks, device, hardware |
+| `settings.py` | the settings read once from the config, a frozen dataclass per section (compute, a shape as an architecture's config, degree points, threads) |
+| `checks.py`, `degrees.py`, `machine.py` | the generation section's value checks; degree points and link names; device, dtype, hardware |
 | `timing.py` | one timed generation (prefill + decode steps), interleaved repeats, a row's numbers |
 | `generation.py`, `generation_report.py` | the generation section's variants (simulated / upper bound / device model / real processes); speed-ups, hidden fractions, tables, plots, notes |
 | `moe.py`, `moe_report.py` | MoE all-to-all bytes and exposure per layer; one expert layer's throughput |

@@ -1,7 +1,8 @@
 """The bench app (`python -m eval.bench`: eval/bench/__main__.py): its checks, its sections in turn, results.json.
 
-`run_bench` checks every setting first (`check_settings`: the generation section's and each other section's
-own), then runs each section that is on: generation over the degree points (eval.bench.generation), expert
+`run_bench` reads the settings once into typed settings and checks them first (`checked_settings`:
+eval.bench.settings.read_settings, then each other section's own checks), then hands each section that is on its
+own settings: generation over the degree points (eval.bench.generation), expert
 throughput (eval.bench.moe), sequence parallelism (eval.bench.sp), decode paths (eval.bench.decode_paths),
 training steps (eval.bench.training); it
 adds the comparisons, writes results.json, README.md and the plots (eval.bench.report) and logs to W&B if asked.
@@ -16,25 +17,12 @@ from omegaconf import OmegaConf
 
 from eval.bench import report
 from eval.bench.decode_paths import check_decode_paths, decode_paths
-from eval.bench.generation import run_real, run_single_process
+from eval.bench.degrees import degrees_key, degrees_label, ranks
+from eval.bench.generation import archs_at_all_points, run_real, run_single_process
 from eval.bench.generation_report import add_comparisons, clock_note, notes_for
+from eval.bench.machine import hardware_info
 from eval.bench.moe import check_expert_throughput, expert_throughput
-from eval.bench.settings import (
-    SIMULATED_DTYPE,
-    archs_at_all_points,
-    bench_points,
-    check_generation_settings,
-    compute_info,
-    cpu_threads,
-    degrees_key,
-    degrees_label,
-    hardware_info,
-    predicted,
-    ranks,
-    real_points,
-    resolve_device,
-    resolve_real,
-)
+from eval.bench.settings import SIMULATED_DTYPE, BenchSettings, read_settings
 from eval.bench.sp import (
     SP_ALGORITHMS,
     SP_DEVICE_KERNELS,
@@ -63,16 +51,28 @@ def rows_written(results: dict) -> str:
     return ", ".join(parts) or "no rows (every section off or skipped)"
 
 
+def checked_settings(cfg: dict) -> BenchSettings:
+    """The bench's settings read once from `cfg` (`read_settings`: the device's and the generation section's
+    checked as they are read), then each other section that is on checks its own: fails before measuring
+    anything if a setting is out of range or an architecture cannot be built at the shape."""
+    settings = read_settings(cfg)
+    if settings.expert_throughput:
+        check_expert_throughput(settings.expert_throughput)
+    if settings.sequence_parallel:
+        check_sequence_parallel(settings.sequence_parallel)
+    if settings.decode_paths:
+        check_decode_paths(settings.decode_paths)
+    if settings.training:
+        check_training(settings.training)
+    return settings
+
+
 def check_settings(cfg: dict) -> tuple[dict[tuple, list[str]], list[str]]:
     """Fail before measuring anything if a setting is out of range, an architecture cannot be built at the
     shape, or a degree point fits no architecture (each architecture's own `check_layout`). Returns which
     architectures run at each point and the notes of those skipped (`archs_at_points`)."""
-    resolved = check_generation_settings(cfg)
-    check_expert_throughput(cfg)
-    check_sequence_parallel(cfg)
-    check_decode_paths(cfg)
-    check_training(cfg)
-    return archs_at_all_points(resolved)
+    configs_at, skipped = archs_at_all_points(checked_settings(cfg).generation)
+    return {key: list(configs) for key, configs in configs_at.items()}, skipped
 
 
 def run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None = None, command: str = "") -> dict:
@@ -101,75 +101,73 @@ def settings_of(plain: dict) -> dict:
 
 
 def _run_bench(cfg: dict, out_dir: Path, wandb_cfg: dict | None, command: str) -> dict:
-    device, dtype = resolve_device(cfg)
-    cfg = resolve_real(cfg, device.type)
-    archs_at, skipped = check_settings(cfg)
+    settings = checked_settings(cfg)
+    gen, device, dtype = settings.generation, settings.device, settings.dtype
+    configs_at, skipped = archs_at_all_points(gen)
     for note in skipped:
         print(f"[bench] skipped {note}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads = cpu_threads(cfg)
-    if threads:
-        torch.set_num_threads(threads)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
     hw = hardware_info(device)
     rows = []
     started = time.perf_counter()
-    for degrees in bench_points(cfg):
-        if cfg["simulated"]["enabled"] or cfg["upper_bound"]["enabled"]:
-            archs = archs_at[degrees_key(degrees)]
-            rows += run_single_process(cfg, degrees, archs, device, dtype, skipped)
+    for degrees in gen.points:
+        if gen.simulated or gen.upper_bound:
+            rows += run_single_process(gen, degrees, configs_at[degrees_key(degrees)], device, dtype, skipped)
             print(
                 f"[bench] {degrees_label(degrees)}: simulated / upper bound done "
                 f"({time.perf_counter() - started:.0f} s)",
                 flush=True,
             )
-    for degrees in real_points(cfg):
+    for degrees in gen.real.points:
         p, label = ranks(degrees), degrees_label(degrees)
         if device.type == "cuda" and torch.cuda.device_count() < p:
             skipped.append(f"real {label}: needs {p} GPUs, this machine has {torch.cuda.device_count()}.")
             continue
-        rows += run_real(cfg, degrees, archs_at[degrees_key(degrees)])
+        rows += run_real(gen, degrees, configs_at[degrees_key(degrees)], device, dtype, settings.threads)
         print(f"[bench] {label}: real done ({time.perf_counter() - started:.0f} s)", flush=True)
     experts = []
-    if (cfg.get("expert_throughput") or {}).get("enabled"):
-        experts = expert_throughput(cfg, device, dtype)
+    if settings.expert_throughput:
+        experts = expert_throughput(settings.expert_throughput, device, dtype)
         print(f"[bench] expert throughput done ({time.perf_counter() - started:.0f} s)", flush=True)
-    sp = {}
-    if (cfg.get("sequence_parallel") or {}).get("enabled"):
+    sp, sp_settings = {}, settings.sequence_parallel
+    if sp_settings:
         # With a device preset, a GPU's dtype throughout (K and V of the softmax layers move in it).
-        sp_dtype = SIMULATED_DTYPE if predicted(cfg) else dtype
-        sp = {"bytes": sp_bytes_rows(cfg, sp_dtype), **sequence_parallel(cfg, device, sp_dtype)}
-        sp["methods"] = {m: SP_ALGORITHMS[m] for m in cfg["sequence_parallel"]["methods"]}
+        sp_dtype = SIMULATED_DTYPE if settings.compute.predicted else dtype
+        sp = {"bytes": sp_bytes_rows(sp_settings, sp_dtype), **sequence_parallel(sp_settings, device, sp_dtype)}
+        sp["methods"] = {m: SP_ALGORITHMS[m] for m in sp_settings.methods}
         sp["dtype"] = str(sp_dtype).removeprefix("torch.")
-        if predicted(cfg):
-            kernels = cfg["sequence_parallel"].get("device_kernels", "gpu")
+        if settings.compute.predicted:
+            kernels = sp_settings.device_kernels
             sp["device_kernels"] = {"setting": kernels, "what": SP_DEVICE_KERNELS[kernels]}
-        add_sp_comparisons(sp, cfg)
+        add_sp_comparisons(sp, sp_settings.anchor)
         print(f"[bench] sequence parallel done ({time.perf_counter() - started:.0f} s)", flush=True)
     paths = {}
-    if (cfg.get("decode_paths") or {}).get("enabled"):
-        paths = decode_paths(cfg, device, dtype)
+    if settings.decode_paths:
+        paths = decode_paths(settings.decode_paths, device, dtype)
         print(f"[bench] decode paths done ({time.perf_counter() - started:.0f} s)", flush=True)
     training = []
-    if (cfg.get("training") or {}).get("enabled"):
-        training, notes = training_rows(cfg)
+    if settings.training:
+        training, notes = training_rows(settings.training)
         skipped += notes
         print(f"[bench] training done ({time.perf_counter() - started:.0f} s)", flush=True)
-    add_comparisons(rows, cfg["baseline"], cfg["min_comm_fraction"])
+    add_comparisons(rows, gen.baseline, gen.min_comm_fraction)
     # The virtual clock counting Python time as compute: a measured-compute artefact only.
-    slow_clock = None if predicted(cfg) else clock_note(rows, cfg["baseline"])
+    slow_clock = None if settings.compute.predicted else clock_note(rows, gen.baseline)
     results = {
         "command": command,
-        "settings": cfg,
-        "degrees": bench_points(cfg),
-        "real_degrees": real_points(cfg),
+        "settings": settings.recorded,
+        "degrees": gen.points,
+        "real_degrees": gen.real.points,
         "hardware": hw,
         "dtype": str(dtype).removeprefix("torch."),
-        "compute": compute_info(cfg),
+        "compute": settings.compute.info(),
         "links": [
             {"name": k, "base_us": v.base_s * 1e6, "alpha_us": v.alpha_s * 1e6, "beta_GBps": v.beta_Bps / 1e9, "note": v.note}
             for k, v in LINK_PRESETS.items()
         ],
-        "notes": notes_for(cfg, device.type, hw, rows) + ([slow_clock] if slow_clock else []),
+        "notes": notes_for(settings.compute, gen.real.points, device.type, hw, rows) + ([slow_clock] if slow_clock else []),
         "skipped": skipped,
         "elapsed_s": time.perf_counter() - started,
         "rows": rows,

@@ -24,20 +24,9 @@ import torch.multiprocessing as mp
 
 import models
 import parallel
+from eval.bench.degrees import degrees_key, degrees_label, link_label, ranks
 from eval.bench.moe import all_to_all_columns
-from eval.bench.settings import (
-    SIMULATED_DTYPE,
-    attention_program,
-    compute_of,
-    cpu_threads,
-    degrees_label,
-    device_model,
-    link_label,
-    model_config,
-    predicted,
-    ranks,
-    resolve_device,
-)
+from eval.bench.settings import SIMULATED_DTYPE, GenerationSettings, model_config
 from eval.bench.timing import ClockTimer, WallTimer, measure_interleaved, summarize
 from eval.simulator.device import DeviceModel
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
@@ -45,60 +34,108 @@ from parallel import comm
 
 
 def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: torch.device, dtype: torch.dtype):
-    """A random `arch` model holding only this rank's shards, materialised on `device`.
+    """`sharded_model` from a plain settings dict (`bench_shape`, `config_overrides`, `seed`, `moe_dispatch`), as
+    eval.gpu_check holds them."""
+    config = model_config(cfg, arch, degrees)
+    return sharded_model(arch, config, mesh, device, dtype, cfg["seed"], cfg.get("moe_dispatch"))
+
+
+def sharded_model(arch: str, config, mesh, device: torch.device, dtype: torch.dtype, seed: int, moe_dispatch=None):
+    """A random `arch` model of `config` holding only this rank's shards, materialised on `device`.
 
     Built on the meta device and sharded there, so a rank never allocates the full model (a 70B shape
     at TP 8 fits one GPU's share); weights are then initialised with the model's own init.
     """
     with torch.device("meta"):
-        model = models.get(arch).model_class(model_config(cfg, arch, degrees))
+        model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
     model.to(dtype)
     model.to_empty(device=device)
     # Same seed on every rank: replicated weights (embedding, norms, LM head) agree across ranks,
     # so real ranks pick the same greedy tokens.
-    torch.manual_seed(cfg["seed"])
+    torch.manual_seed(seed)
     with torch.no_grad():
         model.apply(model._init_weights)
     model.eval()
-    if hasattr(model, "set_moe_dispatch") and cfg.get("moe_dispatch"):
-        model.set_moe_dispatch(cfg["moe_dispatch"])
+    if hasattr(model, "set_moe_dispatch") and moe_dispatch:
+        model.set_moe_dispatch(moe_dispatch)
     return model
 
 
-def programs_of(cfg: dict) -> list[str]:
-    """The programs timed (`compile`): eager, compiled (eval.bench.steps, whole steps), or both in one run."""
-    return {False: ["eager"], True: ["compiled"], "both": ["eager", "compiled"]}[cfg["compile"]]
+def archs_at_points(gen: GenerationSettings, points: list[dict[str, int]]) -> tuple[dict[tuple, dict], list[str]]:
+    """Which of `archs` run at each degree point, each with its config there ({degrees_key: {arch: config}}: built
+    once, the point's models and their rows' MoE columns read it), and a note for each one skipped: its
+    sharding.py has no layout over a dimension of the point (llama at ep 2: parallelize would replicate it
+    there, so it would communicate nothing over that dimension and there is nothing to compare), or its config
+    or `check_layout` refuses the point. A point that no architecture fits is an
+    error naming each one's reason."""
+    archs_at, skipped = {}, []
+    for degrees in points:
+        label, fit, refused = degrees_label(degrees), {}, []
+        for arch in gen.archs:
+            entry = models.get(arch)
+            missing = [dim for dim, n in degrees.items() if n > 1 and dim not in entry.degrees]
+            if missing:
+                refused.append(
+                    f"{arch}: no {'/'.join(missing)} layout (its sharding.py shards over {list(entry.degrees)}), "
+                    f"so at {label} it would run replicated with nothing to communicate over {'/'.join(missing)}."
+                )
+                continue
+            try:
+                config = gen.model.config(arch, degrees)
+                entry.check_layout(config, degrees)
+            except ValueError as err:
+                refused.append(f"{arch}: {err}")
+            else:
+                fit[arch] = config
+        if not fit:
+            raise ValueError(f"No architecture of archs={list(gen.archs)} fits the degrees {label}. " + " ".join(refused))
+        archs_at[degrees_key(degrees)] = fit
+        skipped += [f"{label}: {reason}" for reason in refused]
+    return archs_at, skipped
+
+
+def archs_at_all_points(gen: GenerationSettings) -> tuple[dict[tuple, dict], list[str]]:
+    """`archs_at_points` over the single-process and the real points; a real point's skip notes apart."""
+    archs_at, skipped = archs_at_points(gen, gen.points)
+    if gen.real.points:
+        real_at, real_skipped = archs_at_points(gen, gen.real.points)
+        archs_at.update(real_at)
+        skipped += [f"real {note}" for note in real_skipped if note not in skipped]
+    return archs_at, skipped
 
 
 def run_single_process(
-    cfg: dict, degrees: dict[str, int], archs: list[str], device, dtype, skipped: list[str] | None = None
+    gen: GenerationSettings, degrees: dict[str, int], configs: dict, device, dtype, skipped: list[str] | None = None
 ) -> list[dict]:
-    """Simulated-link and upper-bound rows of `archs` at `degrees`, one process playing rank 0: its compute
+    """Simulated-link and upper-bound rows of the architectures of `configs` ({arch: its config}) at `degrees`, one process playing rank 0: its compute
     measured on `device`, or predicted by the device model (`compute` a device preset: `run_device_model`,
     which appends to `skipped` an architecture whose forward cannot run on the meta device)."""
-    if predicted(cfg):
-        return run_device_model(cfg, degrees, archs, skipped)
+    if gen.compute.predicted:
+        return run_device_model(gen, degrees, configs, skipped)
     rows = []
     p = ranks(degrees)
     mesh = parallel.init_mesh(**degrees, fake=True)
     try:
-        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
+        built = {
+            arch: sharded_model(arch, config, mesh, device, dtype, gen.seed, gen.moe_dispatch)
+            for arch, config in configs.items()
+        }
         sync = torch.cuda.synchronize if device.type == "cuda" else None
-        for batch in cfg["batch_sizes"]:
-            if cfg["simulated"]["enabled"]:
-                for link in cfg["simulated"]["links"]:
+        for batch in gen.batch_sizes:
+            if gen.simulated:
+                for link in gen.links:
                     # A dict gives each mesh dimension its own link (parallel.comm times each collective on
                     # its group's); a preset name is the link of every dimension. Eager only: the virtual
                     # clock runs Python at every collective, which no graph holds.
                     with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
-                        runs = measure_interleaved(built, cfg, batch, lambda c=clock: ClockTimer(c), device)
-                    rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype)
-            if cfg["upper_bound"]["enabled"]:
-                for program in programs_of(cfg):
+                        runs = measure_interleaved(built, gen.timing, batch, lambda c=clock: ClockTimer(c), device)
+                    rows += _rows(runs, gen, configs, degrees, batch, "simulated", link, dtype)
+            if gen.upper_bound:
+                for program in gen.programs:
                     with comm.use_mode("none"):
-                        runs = measure_interleaved(built, cfg, batch, lambda: WallTimer(device), device, program)
-                    rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype, program)
+                        runs = measure_interleaved(built, gen.timing, batch, lambda: WallTimer(device), device, program)
+                    rows += _rows(runs, gen, configs, degrees, batch, "upper_bound", None, dtype, program)
         del built
     finally:
         if dist.is_initialized():
@@ -107,9 +144,9 @@ def run_single_process(
 
 
 def run_device_model(
-    cfg: dict, degrees: dict[str, int], archs: list[str], skipped: list[str] | None = None
+    gen: GenerationSettings, degrees: dict[str, int], configs: dict, skipped: list[str] | None = None
 ) -> list[dict]:
-    """Simulated-link and upper-bound rows of `archs` at `degrees` predicted by the device model: each
+    """Simulated-link and upper-bound rows of the architectures of `configs` at `degrees` predicted by the device model: each
     architecture built on the meta device (bfloat16) and sharded on a fake mesh (`eval.simulator.replay.build_meta`,
     which brings the mesh up; `release` takes it down), its generation recorded once per batch size (attention
     charged as `attention_program`) and replayed on every link preset (`upper_bound`: free communication). At a
@@ -117,24 +154,25 @@ def run_device_model(
     `summarize` / `_rows` as measured ones, one run each (min = max = median). An architecture whose forward
     needs values the meta device does not have (a data-dependent op such as boolean-mask indexing) is not
     predicted: a note for it goes to `skipped` (any other error is raised)."""
-    dm, dtype = device_model(cfg), SIMULATED_DTYPE
-    recordings = {batch: {} for batch in cfg["batch_sizes"]}
-    for arch in archs:
+    compute, dtype = gen.compute, SIMULATED_DTYPE
+    dm = compute.device_model
+    recordings = {batch: {} for batch in gen.batch_sizes}
+    for arch, config in configs.items():
         try:
-            model = build_meta(arch, model_config(cfg, arch, degrees), degrees, dtype)
+            model = build_meta(arch, config, degrees, dtype)
             recorded = {
                 batch: record_generation(
-                    model, batch, cfg["prompt_len"], cfg["new_tokens"], bool(cfg.get("static_cache", True)),
-                    attention_program=attention_program(cfg),
+                    model, batch, gen.prompt_len, gen.new_tokens, compute.static_cache,
+                    attention_program=compute.attention_program,
                 )
-                for batch in cfg["batch_sizes"]
+                for batch in gen.batch_sizes
             }
         except (NotImplementedError, RuntimeError) as err:
             if "meta" not in str(err):
                 raise
             note = (
                 f"{degrees_label(degrees)}: {arch}: its forward does not run on the meta device, so "
-                f"compute={compute_of(cfg)} cannot predict it ({type(err).__name__}: {str(err).split('. ')[0]})"
+                f"compute={compute.setting} cannot predict it ({type(err).__name__}: {str(err).split('. ')[0]})"
             )
             print(f"[bench] skipped {note}", flush=True)
             if skipped is not None:
@@ -147,13 +185,13 @@ def run_device_model(
             recordings[batch][arch] = recording
     rows = []
     for batch, recs in recordings.items():
-        if cfg["simulated"]["enabled"]:
-            for link in cfg["simulated"]["links"]:
+        if gen.simulated:
+            for link in gen.links:
                 runs = {arch: [predicted_run(rec, dm, link)] for arch, rec in recs.items()}
-                rows += _rows(runs, cfg, degrees, batch, "simulated", link, dtype, "compiled")
-        if cfg["upper_bound"]["enabled"]:
+                rows += _rows(runs, gen, configs, degrees, batch, "simulated", link, dtype, "compiled")
+        if gen.upper_bound:
             runs = {arch: [predicted_run(rec, dm, NO_COMM, upper_bound=True)] for arch, rec in recs.items()}
-            rows += _rows(runs, cfg, degrees, batch, "upper_bound", None, dtype, "compiled")
+            rows += _rows(runs, gen, configs, degrees, batch, "upper_bound", None, dtype, "compiled")
     return rows
 
 
@@ -180,8 +218,8 @@ def predicted_run(recording, dm: DeviceModel, link, upper_bound: bool = False) -
     return run
 
 
-def _rows(runs, cfg, degrees, batch, variant, link, dtype, program: str = "eager") -> list[dict]:
-    """Rows of `runs`; `program`: the program timed (eval.bench.timing.PROGRAMS), or predicted: the device
+def _rows(runs, gen, configs, degrees, batch, variant, link, dtype, program: str = "eager") -> list[dict]:
+    """Rows of `runs` (`configs`: {arch: its config at `degrees`}); `program`: the program timed (eval.bench.timing.PROGRAMS), or predicted: the device
     model's rows are "compiled" (it charges the fused kernels of a compiled step on a static cache)."""
     out = []
     for arch, arch_runs in runs.items():
@@ -190,8 +228,8 @@ def _rows(runs, cfg, degrees, batch, variant, link, dtype, program: str = "eager
         if link is not None:
             row["link"] = link_label(link)
             row["links"] = link  # the setting itself: one preset, or {dimension: preset}
-        row.update(summarize(arch_runs, batch, cfg["new_tokens"]))
-        row.update(all_to_all_columns(row, cfg, arch, degrees, dtype))
+        row.update(summarize(arch_runs, batch, gen.new_tokens))
+        row.update(all_to_all_columns(row, arch, configs[arch], degrees, dtype, gen.prompt_len, gen.a2a_anchors))
         out.append(row)
     return out
 
@@ -210,7 +248,10 @@ def _free_port() -> int:
 CUDA_COMM_ENV = {"ENABLE_INTRA_NODE_COMM": "1", "NCCL_NVLS_ENABLE": "1"}
 
 
-def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, cfg: dict, out_path: str) -> None:
+def _real_rank(
+    rank: int, degrees: dict[str, int], configs: dict, port: int, gen: GenerationSettings, device: torch.device,
+    dtype: torch.dtype, threads: int | None, out_path: str,
+) -> None:
     """One rank of the real launch: real collectives, then no collectives, in the same processes."""
     world_size = ranks(degrees)
     if torch.cuda.is_available():
@@ -219,26 +260,27 @@ def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    device, dtype = resolve_device(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
-    threads = cpu_threads(cfg)
     if threads:
         torch.set_num_threads(threads)
-    backend = cfg["real"]["backend"]
+    backend = gen.real.backend
     try:
         mesh = parallel.init_mesh(**degrees, backend=None if backend == "auto" else backend)
-        built = {arch: build_sharded(arch, cfg, degrees, mesh, device, dtype) for arch in archs}
+        built = {
+            arch: sharded_model(arch, config, mesh, device, dtype, gen.seed, gen.moe_dispatch)
+            for arch, config in configs.items()
+        }
         rows = []
-        for batch in cfg["batch_sizes"]:
-            for program in programs_of(cfg):
+        for batch in gen.batch_sizes:
+            for program in gen.programs:
                 timer = lambda: WallTimer(device, barrier=True)  # noqa: E731
                 with comm.use_mode("real"):
-                    runs = measure_interleaved(built, cfg, batch, timer, device, program)
-                rows += _rows(runs, cfg, degrees, batch, "real", None, dtype, program)
+                    runs = measure_interleaved(built, gen.timing, batch, timer, device, program)
+                rows += _rows(runs, gen, configs, degrees, batch, "real", None, dtype, program)
                 with comm.use_mode("none"):
-                    runs = measure_interleaved(built, cfg, batch, timer, device, program)
-                rows += _rows(runs, cfg, degrees, batch, "upper_bound_real", None, dtype, program)
+                    runs = measure_interleaved(built, gen.timing, batch, timer, device, program)
+                rows += _rows(runs, gen, configs, degrees, batch, "upper_bound_real", None, dtype, program)
         for row in rows:
             row["threads_per_rank"] = torch.get_num_threads()
             row["backend"] = dist.get_backend()
@@ -249,17 +291,19 @@ def _real_rank(rank: int, degrees: dict[str, int], archs: list[str], port: int, 
             dist.destroy_process_group()
 
 
-def run_real(cfg: dict, degrees: dict[str, int], archs: list[str]) -> list[dict]:
-    """Spawn one process per rank on 127.0.0.1; rank 0's rows come back through a file. A rank's error is
-    raised here; ranks still running after real.timeout_s (e.g. a hung collective) are terminated and that
-    is an error."""
+def run_real(
+    gen: GenerationSettings, degrees: dict[str, int], configs: dict, device: torch.device, dtype: torch.dtype,
+    threads: int | None,
+) -> list[dict]:
+    """Spawn one process per rank on 127.0.0.1 to run the architectures of `configs` (each on `device`, cuda: its own GPU, with `threads` threads);
+    rank 0's rows come back through a file. A rank's error is raised here; ranks still running after
+    real.timeout_s (e.g. a hung collective) are terminated and that is an error."""
     p = ranks(degrees)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
-        ctx = mp.start_processes(
-            _real_rank, args=(degrees, archs, _free_port(), cfg, out_path), nprocs=p, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + cfg["real"]["timeout_s"]
+        args = (degrees, configs, _free_port(), gen, device, dtype, threads, out_path)
+        ctx = mp.start_processes(_real_rank, args=args, nprocs=p, join=False, start_method="spawn")
+        deadline = time.monotonic() + gen.real.timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
                 for proc in ctx.processes:
@@ -267,8 +311,6 @@ def run_real(cfg: dict, degrees: dict[str, int], archs: list[str]) -> list[dict]
                         proc.terminate()
                 raise TimeoutError(
                     f"The real {degrees_label(degrees)} ranks ran past "
-                    f"real.timeout_s={cfg['real']['timeout_s']} s."
+                    f"real.timeout_s={gen.real.timeout_s} s."
                 )
         return json.loads(Path(out_path).read_text())
-
-

@@ -11,7 +11,8 @@ section's introduction follow. Nothing here knows an architecture: archs are nam
 from pathlib import Path
 
 from eval import report
-from eval.bench.settings import attention_program, degree_points, degrees_key, degrees_label, ranks
+from eval.bench.degrees import degrees_key, degrees_label, ranks
+from eval.bench.settings import ComputeSettings
 from eval.report import hidden_fraction
 
 UPPER_BOUND_OF = {"simulated": "upper_bound", "real": "upper_bound_real"}
@@ -188,12 +189,12 @@ HIDDEN_FRACTION_RANGE = (-1.0, 1.5)
 # --- notes ------------------------------------------------------------------------------------
 
 
-def device_model_note(cfg: dict) -> str:
+def device_model_note(settings: ComputeSettings) -> str:
     """What rows predicted by a device model (`compute` a device preset) are."""
-    compute, dm = cfg["compute"], cfg.get("device_model") or {}
+    compute, dm = settings.setting, settings.constants
     cache = (
         "a static KV cache of prompt + new tokens, read in full at every step as gpt-fast's"
-        if cfg.get("static_cache", True)
+        if settings.static_cache
         else "the architecture's default growing cache"
     )
     return (
@@ -201,7 +202,7 @@ def device_model_note(cfg: dict) -> str:
         f"of the model's own forward (built on the meta device in bfloat16, rank 0's shards) is charged to {compute}'s "
         f"roofline, max(FLOPs / (peak x {dm.get('eff_flops')}), bytes / (HBM x {dm.get('eff_hbm')})) + "
         f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused; attention as the "
-        f"`{attention_program(cfg)}` program, eval.simulator.device.ATTENTION_PROGRAMS), contention {dm.get('contention')} "
+        f"`{settings.attention_program}` program, eval.simulator.device.ATTENTION_PROGRAMS), contention {dm.get('contention')} "
         f"(latency-bound link time) to {dm.get('contention_bw', dm.get('contention'))} (bandwidth-bound) "
         "(eval.costmodel's constants, settings `device_model`), and the link model's collectives are placed where "
         "forward() issues and waits them. Prefill is one recorded forward; a decode step is one recorded step with "
@@ -213,11 +214,15 @@ def device_model_note(cfg: dict) -> str:
     )
 
 
-def notes_for(cfg: dict, device_type: str, hw: dict, rows: list[dict] = ()) -> list[str]:
-    if (cfg.get("compute") or "measured") != "measured":
+def notes_for(
+    compute: ComputeSettings, real_points: list[dict[str, int]], device_type: str, hw: dict, rows: list[dict] = ()
+) -> list[str]:
+    """What the rows can and cannot claim, given the compute, the real variant's points (`real_points`), the
+    device and the hardware."""
+    if compute.predicted:
         # No CPU compute, no gloo ranks, no shared load in these rows: only the device model's note applies (to
         # the generation rows; the sequence-parallel section, alone in bench_preset=sp, says its own).
-        return [device_model_note(cfg)] if rows else []
+        return [device_model_note(compute)] if rows else []
     notes = [
         "Simulated rows time one rank's real compute on this machine plus the link model's communication; "
         "they show what each schedule hides on that link, not what this machine would do with P devices."
@@ -230,9 +235,7 @@ def notes_for(cfg: dict, device_type: str, hw: dict, rows: list[dict] = ()) -> l
             "comparable link time per layer is a larger share of the layer there; read the hidden shares as what "
             "the schedule can cover, and compare 'a2a link ms/layer' with the time per layer before reading more."
         )
-    real = cfg["real"]
-    points = degree_points(real.get("tp"), real.get("ep"), real.get("degrees")) if real["enabled"] else []
-    real_ranks = [ranks(d) for d in points]
+    real_ranks = [ranks(d) for d in real_points]
     if real_ranks and device_type == "cpu":
         p, cores, threads = max(real_ranks), hw["cpu_cores"], hw["torch_threads"]
         if cores < p * (threads + 1):

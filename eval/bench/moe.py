@@ -15,14 +15,17 @@ import time
 import torch
 
 import models
-from eval.bench.settings import link_of, model_config
+from eval.bench.degrees import link_of
+from eval.bench.settings import ExpertThroughputSettings
 from models.common.moe import GroupedExperts, TopKRouter
 from parallel import comm
 
 
-def all_to_all_columns(row: dict, cfg: dict, arch: str, degrees: dict[str, int], dtype: torch.dtype) -> dict:
-    """Per MoE layer, for a row whose forward sent token all-to-alls (expert parallelism), per phase
-    (prefill = one forward of batch x prompt tokens, decode = one step of batch tokens):
+def all_to_all_columns(
+    row: dict, arch: str, config, degrees: dict[str, int], dtype: torch.dtype, prompt_len: int, anchors: dict
+) -> dict:
+    """Per MoE layer, for a row of `arch` (its `config` at `degrees`) whose forward sent token all-to-alls (expert
+    parallelism), per phase (prefill = one forward of batch x `prompt_len` tokens, decode = one step of batch tokens):
 
     - `{phase}_moe_layers`: all-to-all calls / 2 (dispatch and combine per MoE layer, models/common/moe.py);
     - `{phase}_a2a_bytes`: bytes per token all-to-all, counted by comm.counters (the rows this rank hands
@@ -35,14 +38,14 @@ def all_to_all_columns(row: dict, cfg: dict, arch: str, degrees: dict[str, int],
       all-to-alls), `{phase}_a2a_exposed_ms_per_layer` (the part of it the rank waited for, from the
       virtual clock), `{phase}_a2a_hidden_share` = 1 - exposed / link time, and
       `{phase}_count_exchange_exposed_ms_per_layer` (the blocking exchange of per-expert counts);
-      `a2a_hidden_anchor`: the published share for this architecture on the ep link (settings `anchors`).
+      `a2a_hidden_anchor`: the published share for this architecture on the ep link (`anchors`: settings
+      `anchors.a2a_hidden_share`).
     """
     out = {}
     p = degrees.get("ep", 1)  # the expert-parallel all-to-alls run over ep
-    config = model_config(cfg, arch, degrees)
     d, elem = config.hidden_size, torch.empty((), dtype=dtype).element_size()
     declared = (models.get(arch).collectives_per_forward or (lambda c, g: {}))(config, degrees).get("all_to_all")
-    tokens = {"prefill": row["batch"] * cfg["prompt_len"], "decode": row["batch"]}
+    tokens = {"prefill": row["batch"] * prompt_len, "decode": row["batch"]}
     for phase, n in tokens.items():
         a2a = row[f"{phase}_comm_by_kind"].get("all_to_all")
         if not a2a or not a2a["calls"]:
@@ -66,8 +69,7 @@ def all_to_all_columns(row: dict, cfg: dict, arch: str, degrees: dict[str, int],
             out[f"{phase}_a2a_hidden_share"] = 1 - exposed_ms / link_ms if link_ms > 0 else None
             out[f"{phase}_count_exchange_exposed_ms_per_layer"] = exposed.get("exchange_splits", 0.0) / layers
     if out and row.get("links") is not None:
-        anchors = ((cfg.get("anchors") or {}).get("a2a_hidden_share") or {}).get(arch) or {}
-        out["a2a_hidden_anchor"] = anchors.get(link_of(row["links"], "ep"))
+        out["a2a_hidden_anchor"] = (anchors.get(arch) or {}).get(link_of(row["links"], "ep"))
     return out
 
 
@@ -80,17 +82,14 @@ def expert_layer_label(spec: dict) -> str:
     return " ".join([spec["arch"], *(f"{k}={v}" for k, v in overrides.items())])
 
 
-def check_expert_throughput(cfg: dict) -> None:
-    et = cfg.get("expert_throughput") or {}
-    if not et.get("enabled"):
-        return
-    if not et.get("layers"):
+def check_expert_throughput(et: ExpertThroughputSettings) -> None:
+    if not et.layers:
         raise ValueError("expert_throughput.layers is empty: list the MoE layers to time, the baseline first.")
-    if et["tokens"] < 1 or et["repeats"] < 1:
-        raise ValueError(f"expert_throughput needs tokens >= 1 and repeats >= 1, got {et['tokens']}, {et['repeats']}.")
-    for spec in et["layers"]:
+    if et.tokens < 1 or et.repeats < 1:
+        raise ValueError(f"expert_throughput needs tokens >= 1 and repeats >= 1, got {et.tokens}, {et.repeats}.")
+    for spec in et.layers:
         entry = models.get(spec["arch"])
-        config = model_config(cfg, spec["arch"], {}, **(spec.get("overrides") or {}))
+        config = et.model.config(spec["arch"], {}, **(spec.get("overrides") or {}))
         declared = entry.collectives_per_forward(config, {"ep": 2}) if entry.collectives_per_forward else {}
         if "all_to_all" not in declared:
             raise ValueError(
@@ -149,30 +148,29 @@ def route_at_target(layer, x: torch.Tensor, target: float) -> float:
     return offset
 
 
-def expert_throughput(cfg: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def expert_throughput(et: ExpertThroughputSettings, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Tokens/s of one MoE layer's forward (router, experts, combine; no communication: every expert on this
     device), for each entry of `expert_throughput.layers` at the bench shape, timed for real, interleaved
     over repeats like the generation bench; the first entry is the baseline of `speedup`. Each router is
     pushed to the load its balance loss aims for (`route_at_target`)."""
-    et = cfg["expert_throughput"]
-    gen = torch.Generator().manual_seed(cfg["seed"])
+    gen = torch.Generator().manual_seed(et.seed)
     layers, rows = {}, []
-    for spec in et["layers"]:
+    for spec in et.layers:
         label, arch = expert_layer_label(spec), spec["arch"]
         entry = models.get(arch)
-        config = model_config(cfg, arch, {}, **(spec.get("overrides") or {}))
+        config = et.model.config(arch, {}, **(spec.get("overrides") or {}))
         with torch.device("meta"):
             model = entry.model_class(config)  # on meta: only the layer timed is materialised
         layer = first_moe_layer(model)
         layer.to(dtype)
         layer.to_empty(device=device)
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(et.seed)
         with torch.no_grad():
             layer.apply(model._init_weights)
         layer.eval()
         declared = entry.collectives_per_forward(config, {"ep": 2})["all_to_all"]
         target = declared.values_per_token / declared.calls / config.hidden_size
-        x = torch.randn(et["tokens"], config.hidden_size, generator=gen).to(device, dtype)
+        x = torch.randn(et.tokens, config.hidden_size, generator=gen).to(device, dtype)
         with torch.no_grad():
             offset = route_at_target(layer, x, target)
             realised = _ffn_rows_per_token(layer, x, 0.0)  # the hook adds the offset now
@@ -181,7 +179,7 @@ def expert_throughput(cfg: dict, device: torch.device, dtype: torch.dtype) -> li
         extra = [None] * (sum(1 for q in inspect.signature(layer.forward).parameters.values() if q.default is q.empty) - 1)
         layers[label] = (layer, x, extra)
         rows.append({"label": label, "arch": arch, "overrides": dict(spec.get("overrides") or {}),
-                     "anchor": spec.get("anchor"), "tokens": et["tokens"], "target_rows_per_token": target,
+                     "anchor": spec.get("anchor"), "tokens": et.tokens, "target_rows_per_token": target,
                      "ffn_rows_per_token": realised, "router_offset": offset})  # fmt: skip
         del model
 
@@ -198,9 +196,9 @@ def expert_throughput(cfg: dict, device: torch.device, dtype: torch.dtype) -> li
     times = {label: [] for label in layers}
     with torch.no_grad(), comm.use_mode("none"):
         for label in layers:
-            for _ in range(et["warmup"]):
+            for _ in range(et.warmup):
                 run_once(label)
-        for _ in range(et["repeats"]):
+        for _ in range(et.repeats):
             for label in layers:
                 times[label].append(run_once(label))
     for row in rows:

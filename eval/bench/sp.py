@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import models
 import parallel
-from eval.bench.settings import SIMULATED_DTYPE, device_model, predicted
+from eval.bench.settings import SIMULATED_DTYPE, SPSettings
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.kernels import FlashBackward, fla_intra
 from eval.simulator.replay import bandwidth_share
@@ -46,29 +46,33 @@ def sp_rank(label: str, p: int) -> int:
     return 0 if label == "first" else p - 1
 
 
-def sp_config(cfg: dict, method: str, p: int):
-    """Linear-Llama at the bench shape with the layer pattern and sp_method of `method` (SP_ALGORITHMS), with
-    `sequence_parallel.overrides` (e.g. a decay) under them."""
-    shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
+def method_config(shape: dict, overrides: dict, method: str, p: int):
+    """Linear-Llama at the bench `shape` (less its name) with the layer pattern and sp_method of `method`
+    (SP_ALGORITHMS), with `sequence_parallel.overrides` (e.g. a decay) under them."""
     spec = SP_ALGORITHMS[method]
-    overrides = {**(cfg["sequence_parallel"].get("overrides") or {}), "layer_pattern": spec["pattern"],
-                 "sp_method": spec["sp_method"]}  # fmt: skip
-    return models.get("linear").bench_config(shape, {"sp": p}, **overrides)
+    overrides = {**(overrides or {}), "layer_pattern": spec["pattern"], "sp_method": spec["sp_method"]}
+    return models.get("linear").bench_config(dict(shape), {"sp": p}, **overrides)
 
 
-def sp_timed_points(cfg: dict) -> tuple[list[tuple[int, int]], list[str]]:
+def sp_config(cfg: dict, method: str, p: int):
+    """`method_config` from a plain settings dict (`bench_shape`, `sequence_parallel.overrides`), as
+    eval.simulator.heldout.lasp2 and the tests hold them."""
+    shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
+    return method_config(shape, cfg["sequence_parallel"].get("overrides"), method, p)
+
+
+def sp_timed_points(sp: SPSettings) -> tuple[list[tuple[int, int]], list[str]]:
     """The (N, P) points timed and a note for each left out. Measured compute: every N of `lengths` at every P of
     `sp` whose chunk N/P is within `max_chunk` (CPU time and memory grow with the chunk; the byte counts cover
     every point, on the meta device). With a device preset as `compute` nothing is computed, so no limit applies
     and the `device_points` (the LASP-2 paper's 2048K tokens on 64 ranks) are timed too."""
-    sp = cfg["sequence_parallel"]
-    pairs = [(n, p) for n in sp["lengths"] for p in sp["sp"]]
-    if predicted(cfg):
-        return list(dict.fromkeys(pairs + [(e["n"], e["sp"]) for e in sp.get("device_points") or []])), []
+    pairs = [(n, p) for n in sp.lengths for p in sp.sp]
+    if sp.compute.predicted:
+        return list(dict.fromkeys(pairs + [(e["n"], e["sp"]) for e in sp.device_points])), []
     points, skipped = [], []
     for n, p in pairs:
-        if n // p > sp["max_chunk"]:
-            skipped.append(f"N={n}, P={p}: chunk N/P={n // p} tokens is over max_chunk={sp['max_chunk']}.")
+        if n // p > sp.max_chunk:
+            skipped.append(f"N={n}, P={p}: chunk N/P={n // p} tokens is over max_chunk={sp.max_chunk}.")
         else:
             points.append((n, p))
     return points, skipped
@@ -81,23 +85,20 @@ def sp_attended(n: int, p: int, rank: int) -> int:
     return c * (rank + 1) * c
 
 
-def check_sequence_parallel(cfg: dict) -> None:
-    sp = cfg.get("sequence_parallel") or {}
-    if not sp.get("enabled"):
-        return
-    unknown = [m for m in sp["methods"] if m not in SP_ALGORITHMS]
-    if unknown or not sp["methods"]:
-        raise ValueError(f"sequence_parallel.methods {list(sp['methods'])} must name some of {list(SP_ALGORITHMS)}.")
-    bad_ranks = [r for r in sp["ranks"] if r not in SP_RANKS]
-    if bad_ranks or not sp["ranks"]:
-        raise ValueError(f"sequence_parallel.ranks {list(sp['ranks'])} must be some of {list(SP_RANKS)} (rank 0 or P-1).")
-    for what, lengths, degrees in (("", sp["lengths"], sp["sp"]), ("bytes.", sp["bytes"]["lengths"], sp["bytes"]["sp"])):
+def check_sequence_parallel(sp: SPSettings) -> None:
+    unknown = [m for m in sp.methods if m not in SP_ALGORITHMS]
+    if unknown or not sp.methods:
+        raise ValueError(f"sequence_parallel.methods {list(sp.methods)} must name some of {list(SP_ALGORITHMS)}.")
+    bad_ranks = [r for r in sp.ranks if r not in SP_RANKS]
+    if bad_ranks or not sp.ranks:
+        raise ValueError(f"sequence_parallel.ranks {list(sp.ranks)} must be some of {list(SP_RANKS)} (rank 0 or P-1).")
+    for what, lengths, degrees in (("", sp.lengths, sp.sp), ("bytes.", sp.bytes_lengths, sp.bytes_sp)):
         pairs = [(n, p) for n in lengths for p in degrees]
-        extra = sp["bytes"].get("extra_points") if what else sp.get("device_points")
+        extra = sp.bytes_extra_points if what else sp.device_points
         pairs += [(e["n"], e["sp"]) for e in extra or []]
         # With a device preset a timed P = 1 is the single-GPU baseline (the whole sequence on one rank, nothing
         # sent); the bytes grid and measured compute need P >= 2.
-        least = 1 if predicted(cfg) and not what else 2
+        least = 1 if sp.compute.predicted and not what else 2
         for n, p in pairs:
             if isinstance(p, bool) or not isinstance(p, int) or p < least:
                 raise ValueError(
@@ -110,20 +111,20 @@ def check_sequence_parallel(cfg: dict) -> None:
                     f"sequence_parallel.{what}lengths: N={n!r} does not split over P={p} ranks (each holds N/P "
                     f"tokens); use lengths divisible by every degree, e.g. powers of two >= {p}."
                 )
-    for link in sp["links"]:
+    for link in sp.links:
         if link not in LINK_PRESETS:
             raise ValueError(f"Unknown link preset {link!r} in sequence_parallel.links; choose from {sorted(LINK_PRESETS)}.")
-    if sp.get("device_kernels", "gpu") not in SP_DEVICE_KERNELS:
+    if sp.device_kernels not in SP_DEVICE_KERNELS:
         raise ValueError(
-            f"sequence_parallel.device_kernels={sp['device_kernels']!r} must be one of {list(SP_DEVICE_KERNELS)}."
+            f"sequence_parallel.device_kernels={sp.device_kernels!r} must be one of {list(SP_DEVICE_KERNELS)}."
         )
-    if sp["repeats"] < 1 or sp["warmup"] < 0 or sp["batch"] < 1:
+    if sp.repeats < 1 or sp.warmup < 0 or sp.batch < 1:
         raise ValueError("sequence_parallel needs repeats >= 1, warmup >= 0 and batch >= 1.")
-    for method in sp["methods"]:
-        sp_config(cfg, method, 2)  # the shape builds as this method's model (its own config checks)
-    if not sp_timed_points(cfg)[0]:
+    for method in sp.methods:
+        method_config(sp.shape, sp.overrides, method, 2)  # the shape builds as this method's model (its own config checks)
+    if not sp_timed_points(sp)[0]:
         raise ValueError(
-            f"No (N, P) point of sequence_parallel.lengths x sp has a chunk N/P within max_chunk={sp['max_chunk']}; "
+            f"No (N, P) point of sequence_parallel.lengths x sp has a chunk N/P within max_chunk={sp.max_chunk}; "
             "raise max_chunk or add larger degrees."
         )
 
@@ -141,16 +142,16 @@ def fake_sp_mesh(p: int, rank: int):
     return parallel.init_mesh(sp=p, device_type="cpu")
 
 
-def build_sp_trunk(cfg: dict, method: str, p: int, mesh, device: torch.device, dtype: torch.dtype):
+def build_sp_trunk(sp: SPSettings, method: str, p: int, mesh, device: torch.device, dtype: torch.dtype):
     """The trunk (decoder layers, rotary, sequence offset) of a random Linear-Llama of `method`, sharded over
     the P-way sp mesh; on the meta device it stays there (counting bytes needs no values)."""
     with torch.device("meta"):
-        model = models.get("linear").model_class(sp_config(cfg, method, p))
+        model = models.get("linear").model_class(method_config(sp.shape, sp.overrides, method, p))
     parallel.parallelize(model, mesh)
     model.to(dtype)
     if device.type != "meta":
         model.to_empty(device=device)
-        torch.manual_seed(cfg["seed"])
+        torch.manual_seed(sp.seed)
         with torch.no_grad():
             model.apply(model._init_weights)
     model.train()
@@ -290,13 +291,12 @@ def sp_formula_bytes(config, method: str, phase: str, n: int, p: int, batch: int
     raise ValueError(f"Unknown sequence-parallel method {method!r}.")
 
 
-def _sp_row(cfg, method, n, p, rank_label, rank, counts, dtype) -> dict:
+def _sp_row(sp: SPSettings, method, n, p, rank_label, rank, counts, dtype) -> dict:
     """What a bytes row and a timed row share: the point and, per layer and phase, counters and bytes."""
-    sp = cfg["sequence_parallel"]
-    config = sp_config(cfg, method, p)
+    config = method_config(sp.shape, sp.overrides, method, p)
     layers = config.num_hidden_layers
     row = {"method": method, "label": SP_ALGORITHMS[method]["label"], "layer": "linear" if SP_ALGORITHMS[method]["pattern"] == "L"
-           else "softmax", "n": n, "p": p, "chunk": n // p, "batch": sp["batch"], "rank": rank_label,
+           else "softmax", "n": n, "p": p, "chunk": n // p, "batch": sp.batch, "rank": rank_label,
            "rank_index": rank, "layers": layers}  # fmt: skip
     for phase in ("fwd", "bwd"):
         per_layer = {kind: {k: v // layers for k, v in c.items()} for kind, c in counts[phase].items()}
@@ -304,32 +304,31 @@ def _sp_row(cfg, method, n, p, rank_label, rank, counts, dtype) -> dict:
         row[f"{phase}_calls"] = sum(c["calls"] for c in per_layer.values())
         row[f"{phase}_counted_bytes"] = sum(c["bytes"] for c in per_layer.values())
         row[f"{phase}_link_bytes"] = sp_link_bytes(per_layer, p)
-        row[f"{phase}_link_bytes_formula"] = sp_formula_bytes(config, method, phase, n, p, sp["batch"], dtype)
+        row[f"{phase}_link_bytes_formula"] = sp_formula_bytes(config, method, phase, n, p, sp.batch, dtype)
     row["link_bytes"] = row["fwd_link_bytes"] + row["bwd_link_bytes"]
     row["link_bytes_formula"] = row["fwd_link_bytes_formula"] + row["bwd_link_bytes_formula"]
     return row
 
 
-def sp_bytes_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
+def sp_bytes_rows(sp: SPSettings, dtype: torch.dtype) -> list[dict]:
     """Bytes per layer at every (N, P) of `sequence_parallel.bytes` (and its extra points: the paper's 2048K
     tokens on 64 ranks), counted by comm's counters on one forward + backward on the META device: the real
     code path with no values, so any size costs seconds. Link time per layer on each preset from the clock
     (its compute here is Python time on meta: only the link time is reported)."""
-    sp = cfg["sequence_parallel"]
-    pairs = [(n, p) for p in sp["bytes"]["sp"] for n in sp["bytes"]["lengths"]]
-    pairs += [(e["n"], e["sp"]) for e in sp["bytes"].get("extra_points") or []]
+    pairs = [(n, p) for p in sp.bytes_sp for n in sp.bytes_lengths]
+    pairs += [(e["n"], e["sp"]) for e in sp.bytes_extra_points]
     meta = torch.device("meta")
     rows = []
     try:
         for p in dict.fromkeys(p for _, p in pairs):
             mesh = fake_sp_mesh(p, 0)  # every rank sends and receives the same bytes
-            for method in sp["methods"]:
-                trunk = build_sp_trunk(cfg, method, p, mesh, meta, dtype)
+            for method in sp.methods:
+                trunk = build_sp_trunk(sp, method, p, mesh, meta, dtype)
                 for n in sorted({n for n, q in pairs if q == p}):
-                    inputs = sp_inputs(trunk, n, p, sp["batch"], cfg["seed"], meta, dtype)
-                    run = sp_run_once(trunk, inputs, p, sp["links"][0])
-                    row = _sp_row(cfg, method, n, p, "first", 0, run["counts"], dtype)
-                    for link in sp["links"]:
+                    inputs = sp_inputs(trunk, n, p, sp.batch, sp.seed, meta, dtype)
+                    run = sp_run_once(trunk, inputs, p, sp.links[0])
+                    row = _sp_row(sp, method, n, p, "first", 0, run["counts"], dtype)
+                    for link in sp.links:
                         fwd, total = run["recorder"].replay(link)
                         row[f"link_ms:{link}"] = 1e3 * total["busy"] / row["layers"]
                     rows.append(row)
@@ -339,7 +338,7 @@ def sp_bytes_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> dict:
+def sequence_parallel(sp: SPSettings, device: torch.device, dtype: torch.dtype) -> dict:
     """The long-sequence rows of the linear model's sequence parallelism (specs/linear.md): per method of
     `sequence_parallel.methods` (LASP-2 and LASP-1 on a linear layer, LASP-2H and ring attention on a softmax
     layer), one process plays one rank of a P-way fake process group in simulated mode.
@@ -354,50 +353,48 @@ def sequence_parallel(cfg: dict, device: torch.device, dtype: torch.dtype) -> di
       (`ClockRecorder`). A softmax method whose rank would score more than `max_attended` (query, key) pairs
       is skipped at that point (CPU time).
     """
-    if predicted(cfg):
-        return sequence_parallel_predicted(cfg)
-    sp = cfg["sequence_parallel"]
+    if sp.compute.predicted:
+        return sequence_parallel_predicted(sp)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    points, skipped = sp_timed_points(cfg)
+    points, skipped = sp_timed_points(sp)
     rows = []
     started = time.perf_counter()
-    with closing(_timed_points(cfg, points, device, dtype)) as each_point:
+    with closing(_timed_points(sp, points, device, dtype)) as each_point:
         for p, rank_label, rank, trunks, n in each_point:
             methods = []
-            for m in sp["methods"]:
-                if SP_ALGORITHMS[m]["pattern"] == "N" and sp_attended(n, p, rank) > sp["max_attended"]:
+            for m in sp.methods:
+                if SP_ALGORITHMS[m]["pattern"] == "N" and sp_attended(n, p, rank) > sp.max_attended:
                     skipped.append(
                         f"{m} at N={n}, P={p}, rank {rank_label} ({rank}): it would score "
-                        f"{sp_attended(n, p, rank):,} (query, key) pairs, over max_attended={sp['max_attended']:,}."
+                        f"{sp_attended(n, p, rank):,} (query, key) pairs, over max_attended={sp.max_attended:,}."
                     )
                 else:
                     methods.append(m)
-            inputs = {m: sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], device, dtype) for m in methods}
+            inputs = {m: sp_inputs(trunks[m], n, p, sp.batch, sp.seed, device, dtype) for m in methods}
             for m in methods:
-                for _ in range(sp["warmup"]):
-                    sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync)
+                for _ in range(sp.warmup):
+                    sp_run_once(trunks[m], inputs[m], p, sp.links[0], sync)
             runs = {m: [] for m in methods}
-            for _ in range(sp["repeats"]):
+            for _ in range(sp.repeats):
                 for m in methods:
-                    runs[m].append(sp_run_once(trunks[m], inputs[m], p, sp["links"][0], sync))
+                    runs[m].append(sp_run_once(trunks[m], inputs[m], p, sp.links[0], sync))
             for m in methods:
-                rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, runs[m], dtype)
+                rows += _sp_timed_rows(sp, m, n, p, rank_label, rank, runs[m], dtype)
             del inputs
             print(f"[bench] sequence parallel N={n} P={p} rank {rank_label}: {len(methods)} methods "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
     return {"timed": rows, "skipped": skipped}
 
 
-def _timed_points(cfg: dict, points: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
+def _timed_points(sp: SPSettings, points: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
     """(P, rank label, rank, {method: trunk}, N) for every timed point: one fake P-way mesh per (P, rank played)
     with every method's trunk on it, reused over the N at that P; the process group is taken down at the end."""
-    sp = cfg["sequence_parallel"]
     try:
         for p in sorted({p for _, p in points}):
-            for rank_label in sp["ranks"]:
+            for rank_label in sp.ranks:
                 rank = sp_rank(rank_label, p)
                 mesh = fake_sp_mesh(p, rank)
-                trunks = {m: build_sp_trunk(cfg, m, p, mesh, device, dtype) for m in sp["methods"]}
+                trunks = {m: build_sp_trunk(sp, m, p, mesh, device, dtype) for m in sp.methods}
                 for n in sorted(n for n, q in points if q == p):
                     yield p, rank_label, rank, trunks, n
                 del trunks
@@ -406,7 +403,7 @@ def _timed_points(cfg: dict, points: list[tuple[int, int]], device: torch.device
             dist.destroy_process_group()
 
 
-def sequence_parallel_predicted(cfg: dict) -> dict:
+def sequence_parallel_predicted(sp: SPSettings) -> dict:
     """The `timed` rows of `sequence_parallel` with a device preset as `compute`: the trunk built on the meta
     device in bfloat16 (SIMULATED_DTYPE) and its inputs there, one forward + backward per (N, P, rank, method)
     recorded under `DeviceClock` (`sp_record`) and replayed on every link preset with the device model's op
@@ -414,32 +411,31 @@ def sequence_parallel_predicted(cfg: dict) -> dict:
     share of the link time that is bandwidth-bound, as `eval.simulator.replay.Phase.replay`).
     Nothing is computed: one deterministic run per row (no warm-up, no repeats), any N and P (no max_chunk or
     max_attended), the `device_points` included."""
-    sp, dtype, meta = cfg["sequence_parallel"], SIMULATED_DTYPE, torch.device("meta")
-    dm = device_model(cfg)
-    points, skipped = sp_timed_points(cfg)
+    dtype, meta, dm = SIMULATED_DTYPE, torch.device("meta"), sp.compute.device_model
+    points, skipped = sp_timed_points(sp)
     rows = []
     started = time.perf_counter()
-    with closing(_timed_points(cfg, points, meta, dtype)) as each_point:
+    with closing(_timed_points(sp, points, meta, dtype)) as each_point:
         for p, rank_label, rank, trunks, n in each_point:
-            for m in sp["methods"]:
-                inputs = sp_inputs(trunks[m], n, p, sp["batch"], cfg["seed"], meta, dtype)
-                run = sp_record(trunks[m], inputs, p, sp["links"][0], sp.get("device_kernels", "gpu"))
+            for m in sp.methods:
+                inputs = sp_inputs(trunks[m], n, p, sp.batch, sp.seed, meta, dtype)
+                run = sp_record(trunks[m], inputs, p, sp.links[0], sp.device_kernels)
                 run["times"] = run["clock"].times(dm)
-                rows += _sp_timed_rows(cfg, m, n, p, rank_label, rank, [run], dtype, dm)
+                rows += _sp_timed_rows(sp, m, n, p, rank_label, rank, [run], dtype, dm)
             print(f"[bench] sequence parallel (device model {dm.device.name}) N={n} P={p} rank {rank_label} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
     return {"timed": rows, "skipped": skipped}
 
 
-def _sp_timed_rows(cfg, method, n, p, rank_label, rank, runs, dtype, dm: DeviceModel | None = None) -> list[dict]:
+def _sp_timed_rows(sp: SPSettings, method, n, p, rank_label, rank, runs, dtype, dm: DeviceModel | None = None) -> list[dict]:
     """One row per link preset: medians (and min-max) over the repeats of the replayed clock, per layer. With a
     device model `dm` (one recorded run, `sp_record`): its op times, and its contention added to the time."""
-    base = _sp_row(cfg, method, n, p, rank_label, rank, runs[-1]["counts"], dtype)
+    base = _sp_row(sp, method, n, p, rank_label, rank, runs[-1]["counts"], dtype)
     layers, out = base["layers"], []
     if dm is not None:
         (run,) = runs
         base.update(sp_compute_columns(run["clock"], run["fwd_ops"], run["times"], layers))
-    for link in cfg["sequence_parallel"]["links"]:
+    for link in sp.links:
         # The contention of the run's overlapped link time, by the share of it that is bandwidth-bound on this link
         # (`DeviceModel.contention_at`, as eval.simulator.replay.Phase.replay charges it).
         contention = 0.0 if dm is None else dm.contention_at(bandwidth_share(runs[-1]["recorder"].calls, link))

@@ -5,13 +5,14 @@ from pathlib import Path
 from eval import report
 
 
-def add_sp_comparisons(sp: dict, cfg: dict) -> None:
+def add_sp_comparisons(sp: dict, anchor: dict) -> None:
     """Per (N, P, rank, link) where LASP-2 was timed, a `compare` row: each method's forward + backward ms and
     exposed ms per layer, LASP-2's speed-up over each other = T_other / T_lasp2 - 1 (the paper's throughput
     gain: the same tokens in less time), and over LASP-1 from the exposed communication alone
     (T_lasp2 - exposed_lasp2 + exposed_lasp1) / T_lasp2 - 1: LASP-1 runs the same local compute, so this is
     its schedule's cost without the compute-time noise between runs. `headline`: per rank and link, the
-    largest (N, P) where LASP-2, LASP-1 and ring attention all ran, beside the published anchors."""
+    largest (N, P) where LASP-2, LASP-1 and ring attention all ran, beside the published `anchor` (settings
+    `anchors.sp_speedup`)."""
     methods = list(sp["methods"])
     index = {(r["n"], r["p"], r["rank"], r["link"], r["method"]): r for r in sp["timed"]}
     compare = []
@@ -40,7 +41,6 @@ def add_sp_comparisons(sp: dict, cfg: dict) -> None:
             row[f"{m}_speedup_over_one_gpu"] = one["fwd_bwd_ms"] / mine["fwd_bwd_ms"] - 1 if one and mine else None
         compare.append(row)
     sp["compare"] = compare
-    anchor = (cfg.get("anchors") or {}).get("sp_speedup") or {}
     headline = []
     for rank in dict.fromkeys(r["rank"] for r in compare):
         full = [r for r in compare if r["rank"] == rank and r.get("lasp1_ms") is not None and r.get("ring_ms") is not None]

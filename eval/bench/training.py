@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import models
-from eval.bench.settings import predicted
+from eval.bench.settings import TrainingSettings
 from eval.simulator.heldout import device_model
 from eval.simulator.training import (
     RECORDING_LINK,
@@ -44,54 +44,45 @@ COLUMNS = [("arch", "arch"), ("layout", "layout"), ("ac", "AC"), ("compute", "co
            ("exposed_ms", "exposed comm ms"), ("speedup_vs_baseline", "vs baseline"), ("vs_no_ac", "vs AC none")]  # fmt: skip
 
 
-def _layouts(cfg: dict) -> list[TrainLayout]:
-    t = cfg["training"]
+def _layouts(t: TrainingSettings) -> list[TrainLayout]:
     out = []
-    for degrees in t["layouts"]:
+    for degrees in t.layouts:
         unknown = sorted(set(degrees) - {"dp", "tp", "ep", "sp"})
         if unknown:
             raise ValueError(f"training.layouts entry {dict(degrees)} names {unknown}; use dp, tp, ep, sp.")
-        for ac in t["ac"]:
-            out.append(TrainLayout(**{d: int(degrees.get(d, 1)) for d in ("dp", "tp", "ep", "sp")}, fsdp=bool(t["fsdp"]),
-                                   ac=ac, micro_batch=t["micro_batch"], seq_len=t["seq_len"], grad_accum=t["grad_accum"]))  # fmt: skip
+        for ac in t.ac:
+            out.append(TrainLayout(**{d: int(degrees.get(d, 1)) for d in ("dp", "tp", "ep", "sp")}, fsdp=t.fsdp,
+                                   ac=ac, micro_batch=t.micro_batch, seq_len=t.seq_len, grad_accum=t.grad_accum))  # fmt: skip
     return out
 
 
-def check_training(cfg: dict) -> None:
-    t = cfg.get("training") or {}
-    if not t.get("enabled"):
-        return
-    bad = [a for a in t["ac"] if a not in AC_MODES]
-    if bad or not t["ac"]:
-        raise ValueError(f"training.ac {list(t['ac'])} must name some of {list(AC_MODES)}.")
-    if not t["layouts"]:
+def check_training(t: TrainingSettings) -> None:
+    bad = [a for a in t.ac if a not in AC_MODES]
+    if bad or not t.ac:
+        raise ValueError(f"training.ac {list(t.ac)} must name some of {list(AC_MODES)}.")
+    if not t.layouts:
         raise ValueError("training.layouts is empty; give at least one, e.g. [{dp: 2}].")
-    _layouts(cfg)  # TrainLayout's own errors (a degree < 1, seq_len not split by sp)
-    get_link(t["link"])
-    for key in ("warmup", "repeats"):
-        if not isinstance(t[key], int) or t[key] < (0 if key == "warmup" else 1):
-            raise ValueError(f"training.{key}={t[key]!r} must be an integer >= {0 if key == 'warmup' else 1}.")
+    _layouts(t)  # TrainLayout's own errors (a degree < 1, seq_len not split by sp)
+    get_link(t.link)
+    for key, value in (("warmup", t.warmup), ("repeats", t.repeats)):
+        if not isinstance(value, int) or value < (0 if key == "warmup" else 1):
+            raise ValueError(f"training.{key}={value!r} must be an integer >= {0 if key == 'warmup' else 1}.")
 
 
-def _config(arch: str, cfg: dict, layout: TrainLayout):
-    shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
-    degrees = {k: v for k, v in layout.degrees.items() if k != "dp"}
-    return models.get(arch).bench_config(shape, degrees, **(cfg.get("config_overrides") or {}).get(arch, {}))
-
-
-def training_rows(cfg: dict) -> tuple[list[dict], list[str]]:
+def training_rows(t: TrainingSettings) -> tuple[list[dict], list[str]]:
     """(rows, skipped notes): every architecture at every layout and AC mode, predicted and (compute=measured)
     measured."""
-    t = cfg["training"]
-    preset = cfg["compute"] if predicted(cfg) else t["device"]
+    predicted = t.compute.predicted
+    preset = t.compute.setting if predicted else t.device_preset
     device = device_model(preset)
-    link = get_link(t["link"])
+    link = get_link(t.link)
     rows, skipped = [], []
-    for arch in cfg["archs"]:
-        for layout in _layouts(cfg):
-            config = _config(arch, cfg, layout)
+    for arch in t.archs:
+        for layout in _layouts(t):
+            degrees = {k: v for k, v in layout.degrees.items() if k != "dp"}
+            config = t.model.config(arch, degrees)
             try:
-                models.get(arch).check_layout(config, {k: v for k, v in layout.degrees.items() if k != "dp"})
+                models.get(arch).check_layout(config, degrees)
             except ValueError as err:
                 skipped.append(f"training {arch} at {layout.label()}: {err}")
                 continue
@@ -100,10 +91,10 @@ def training_rows(cfg: dict) -> tuple[list[dict], list[str]]:
             rows.append({**base, "compute": preset, "step_ms": 1e3 * pred["step_s"], "mfu": pred["mfu"],
                          "tokens_per_s_per_device": pred["tokens_per_s_per_device"],
                          "exposed_ms": 1e3 * pred["exposed_s"]})  # fmt: skip
-            if not predicted(cfg):
-                rows.append({**base, **measure_training(arch, config, layout, link, t["warmup"], t["repeats"])})
+            if not predicted:
+                rows.append({**base, **measure_training(arch, config, layout, link, t.warmup, t.repeats)})
             print(f"[bench] training {arch} {layout.label()} done", flush=True)
-    add_training_comparisons(rows, cfg["baseline"])
+    add_training_comparisons(rows, t.baseline)
     return rows, skipped
 
 
