@@ -108,6 +108,26 @@ def _group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def _token_slots(token_idx: torch.Tensor, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot [A], per_token [T]): each assignment's place among its token's assignments (0, 1, ... in
+    assignment order), so that the combine sums them without atomics, and each token's count of them."""
+    per_token = count_per_index(token_idx, num_tokens)
+    by_token = torch.argsort(token_idx, stable=True)
+    token_first = per_token.cumsum(0) - per_token
+    slot = torch.empty_like(token_idx)
+    slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
+    return slot, per_token
+
+
+def _sum_over_slots(weighted: torch.Tensor, token_idx, slot_idx, num_tokens: int, slots: int) -> torch.Tensor:
+    """Each token's sum of its gated expert outputs `weighted` [A, d], [T, d]. Each (token, slot) receives
+    exactly one row, so this is a copy, not an accumulation; the sum over slots then runs in a fixed order on
+    every device."""
+    by_slot = weighted.new_zeros(num_tokens, slots, weighted.shape[-1])
+    by_slot = by_slot.index_put((token_idx, slot_idx), weighted)
+    return by_slot.sum(1)
+
+
 @dataclass(eq=False)
 class MoEDispatch:
     """An MoE layer's tokens in flight: made by `dispatch`, then `compute()`, then `combine()`."""
@@ -150,12 +170,8 @@ class MoEDispatch:
             raise RuntimeError(f"MoEDispatch.combine() runs once, after compute(); this one is {self.stage}.")
         returned = self.in_flight.wait()  # [A_kept, d] in the expert-sorted order of this rank's assignments
         weighted = returned.to(self.gates.dtype) * self.gates[:, None]
-        # Each (token, slot) receives exactly one row, so this is a copy, not an accumulation; the sum over
-        # slots then runs in a fixed order on every device.
-        by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
-        by_slot = by_slot.index_put((self.token_idx, self.slot_idx), weighted)
         self.stage = "combined"
-        return by_slot.sum(1).to(self.dtype)
+        return _sum_over_slots(weighted, self.token_idx, self.slot_idx, self.num_tokens, self.slots).to(self.dtype)
 
 
 def dispatch(
@@ -175,12 +191,7 @@ def dispatch(
         position = torch.arange(order.numel(), device=device) - first[expert_idx[order]]
         order = order[position < capacity]
         counts = counts.clamp(max=capacity)
-    # Slot of each assignment among its token's assignments, so that combine sums them without atomics.
-    per_token = count_per_index(token_idx, num_tokens)
-    by_token = torch.argsort(token_idx, stable=True)
-    token_first = per_token.cumsum(0) - per_token
-    slot = torch.empty_like(token_idx)
-    slot[by_token] = torch.arange(token_idx.numel(), device=device) - token_first[token_idx[by_token]]
+    slot, per_token = _token_slots(token_idx, num_tokens, device)
     if not has_values(x):
         # The speed simulator (eval.simulator.replay) runs without values: the routing is taken to be the load the
         # balance loss aims for, the assignments spread evenly over the experts (capacity then applied).
@@ -275,11 +286,8 @@ class PaddedDispatch:
         # One zero row more for the assignments not sent, so that every assignment gathers a row.
         returned = torch.cat([returned, returned.new_zeros(1, returned.shape[-1])])
         weighted = returned[self.row].to(self.gates.dtype) * self.gates[:, None]
-        # As MoEDispatch.combine: one row per (token, slot), summed over slots in a fixed order.
-        by_slot = weighted.new_zeros(self.num_tokens, self.slots, weighted.shape[-1])
-        by_slot = by_slot.index_put((self.token_idx, self.slot_idx), weighted)
         self.stage = "combined"
-        return by_slot.sum(1).to(self.dtype)
+        return _sum_over_slots(weighted, self.token_idx, self.slot_idx, self.num_tokens, self.slots).to(self.dtype)
 
 
 def dispatch_padded(
@@ -325,12 +333,7 @@ def dispatch_padded(
     source = source.index_put((row,), token_idx)[:unsent]
     buffer = torch.cat([x, x.new_zeros(1, d)])[source]  # [E * C, d], expert-major; padding rows zero
     pending = comm.all_to_all(buffer, ep_group)  # equal splits, E/P * C rows per rank: issued, waited in compute()
-    # Slot of each assignment among its token's, as in `dispatch` (a fixed-shape sort, no host read).
-    per_token = count_per_index(token_idx, num_tokens)
-    by_token = torch.argsort(token_idx, stable=True)
-    token_first = per_token.cumsum(0) - per_token
-    slot = torch.empty_like(token_idx)
-    slot[by_token] = torch.arange(count, device=device) - token_first[token_idx[by_token]]
+    slot, _ = _token_slots(token_idx, num_tokens, device)  # a fixed-shape sort, no host read
     return PaddedDispatch(
         experts=experts,
         ep_group=ep_group,
