@@ -86,6 +86,21 @@ def target_config(source_config: ZooLlamaConfig, kv_lora_rank: int | None, qk_ro
     return ZooGQLAConfig(**fields)
 
 
+def run_calibration(model, batches, hooks: list) -> None:
+    """Run `batches` of token ids through `model` in eval mode without a cache, for the statistics its `hooks`
+    (the handles of the forward hooks that gather them) collect; then remove the hooks and put the model back
+    in its mode, even on an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        for ids in batches:
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+
+
 @torch.no_grad()
 def calibrate(model: ZooLlamaForCausalLM, batches) -> list[torch.Tensor]:
     """Per layer, the second moment E[x x^T] (fp64, [d, d]) of the attention input over `batches` of ids."""
@@ -104,15 +119,7 @@ def calibrate(model: ZooLlamaForCausalLM, batches) -> list[torch.Tensor]:
             counts[i] += x.shape[0]
 
         hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        for ids in batches:
-            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
+    run_calibration(model, batches, hooks)
     if not counts[0]:
         raise ValueError("No calibration batches: give at least one batch of token ids.")
     return [s / n for s, n in zip(sums, counts, strict=True)]

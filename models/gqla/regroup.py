@@ -25,6 +25,7 @@ same (and computes the regrouped function too).
 import torch
 
 from models.gqla.configuration import ZooGQLAConfig, _divisors
+from models.gqla.convert import run_calibration
 from models.gqla.modeling import ZooGQLAForCausalLM
 
 
@@ -74,16 +75,7 @@ def attention_statistics(model: ZooGQLAForCausalLM, batches) -> list[dict[str, t
             counts[i] += c.shape[0]
 
         hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        for ids in batches:
-            model(input_ids=ids.to(device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
+    run_calibration(model, batches, hooks)
     if not counts[0]:
         raise ValueError("No calibration batches: give at least one batch of token ids.")
     return [{k: v / n for k, v in s.items()} for s, n in zip(stats, counts, strict=True)]
