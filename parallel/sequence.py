@@ -216,10 +216,7 @@ def lasp2(q, k, v, group, log_decay=None, *, intra):
     `intra(q, k, v, log_decay) -> out` is the causal linear attention within the chunk (the model's
     kernel, any C). Without a group (or with one rank) it is `intra` alone.
     """
-    if group is None or dist.get_world_size(group) == 1:
-        return intra(q, k, v, log_decay)
-    build = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_decay))
-    return _LASP2.apply(q, k, v, log_decay, group, intra, build)
+    return _over_ranks(_LASP2, q, k, v, group, log_decay, intra)
 
 
 # --- LASP-1 ----------------------------------------------------------------------------------------
@@ -280,10 +277,16 @@ class _LASP1(torch.autograd.Function):
 def lasp1(q, k, v, group, log_decay=None, *, intra):
     """Causal linear attention of this rank's chunk by LASP-1: the states travel a ring of P-1 serial
     hops (the baseline LASP-2 replaces). Same arguments and result as `lasp2`."""
+    return _over_ranks(_LASP1, q, k, v, group, log_decay, intra)
+
+
+def _over_ranks(method: type[torch.autograd.Function], q, k, v, group, log_decay, intra):
+    """`method` (_LASP2 or _LASP1) over the sp group, keeping the graph of its local parts only where an input
+    needs gradients; `intra` alone without a group or with one rank."""
     if group is None or dist.get_world_size(group) == 1:
         return intra(q, k, v, log_decay)
     build = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, log_decay))
-    return _LASP1.apply(q, k, v, log_decay, group, intra, build)
+    return method.apply(q, k, v, log_decay, group, intra, build)
 
 
 def linear_attention(q, k, v, group, log_decay=None, *, method: str = "lasp2", intra):
