@@ -23,10 +23,8 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     - ep: per MoE layer two all-to-alls (dispatch, combine) of k d values per token (its own share
       included): the dispatch sends the rank's T x k token rows, the combine returns the rows it received,
       T x k on average over the ranks (exactly, under the simulated link); and one exchange of the E
-      per-expert counts (8 E bytes per call whatever the batch: declared with 0 values per token).
-    In training mode each MoE layer also all-reduces 2E + 2 values over ep for the balance loss. With
-    `moe_dispatch="padded"` each all-to-all carries E C rows (`padded_rows_per_token` per token) and no
-    count is exchanged.
+      per-expert counts (`ep_collectives`, which also states the padded dispatch's).
+    In training mode each MoE layer also all-reduces 2E + 2 values over ep for the balance loss.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, moe, d = config.num_hidden_layers, config.num_moe_layers, config.hidden_size

@@ -41,10 +41,9 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
     - tp: an all-reduce of B x T x d after each attention (the MoE++ layer is whole on every tp rank);
     - ep: per layer two all-to-alls (dispatch, combine) carrying only the FFN experts' rows, `k_eff` per
       token at the balanced load (the count depends on the routing: the values per token declared are that
-      expectation, not an integer), and one exchange of the N_FFN per-expert counts (0 values per token).
-    In training mode each layer also all-reduces 2N + 2 values over ep for the balance loss. With
-    `moe_dispatch="padded"` each all-to-all carries N_FFN C rows (`padded_rows_per_token` per token,
-    whatever the routing) and no count is exchanged.
+      expectation, not an integer), and one exchange of the N_FFN per-expert counts (`ep_collectives`,
+      which also states the padded dispatch's: N_FFN C rows per all-to-all, whatever the routing).
+    In training mode each layer also all-reduces 2N + 2 values over ep for the balance loss.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, d = config.num_hidden_layers, config.hidden_size

@@ -22,11 +22,9 @@ def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collec
 
     - tp: an all-reduce of B x T x d after each attention, each dense MLP and each shared expert (2 per layer);
     - ep: per MoE block two all-to-alls (dispatch, combine), each sending this rank's T x k shortcut rows (its
-      own share included), and one exchange of the E per-expert counts (8 E bytes per call whatever the
-      batch: declared with 0 values per token).
-    In training mode each MoE block also all-reduces 2E + 2 values over ep for the balance loss. With
-    `moe_dispatch="padded"` each all-to-all carries E C rows (`padded_rows_per_token` per token) and no
-    count is exchanged.
+      own share included), and one exchange of the E per-expert counts (`ep_collectives`, which also states
+      the padded dispatch's).
+    In training mode each MoE block also all-reduces 2E + 2 values over ep for the balance loss.
     """
     tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
     layers, moe, d = config.num_hidden_layers, config.num_moe_layers, config.hidden_size
