@@ -1,0 +1,207 @@
+"""All-reduce, all-gather and reduce-scatter (the collectives of tensor and sequence parallelism), and
+Megatron's copy into a tensor-parallel region (identity forward, gradient all-reduced).
+
+Each is an autograd Function whose forward issues the op asynchronously and returns a `Handle`; under
+torch.compile a functional collective instead (`_functional()`), waited by `Handle.wait()` at the same place.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from parallel.comm_modes import (
+    _FUNCTIONAL,
+    Handle,
+    _active,
+    _Box,
+    _finish,
+    _FinishingWork,
+    _functional,
+    _nbytes,
+    _record,
+    _state,
+)
+
+
+class _FunctionalAllReduce(torch.autograd.Function):
+    """The all-reduce as a functional collective: no side effects, so that dynamo can trace it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None  # as _AllReduce
+
+
+class _FunctionalCopyToTPRegion(torch.autograd.Function):
+    """`_CopyToTPRegion` with the gradient's all-reduce functional (counted in `copy_to_tp_region`)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad, "sum", ctx.group)), None
+
+
+class _FunctionalAllGather(torch.autograd.Function):
+    """The all-gather along dim 0 as a functional collective (not waited); the backward reduce-scatters the
+    gradient (each rank may use the gathered tensor its own way), waited at once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.all_gather_tensor(x.contiguous(), 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, ctx.group)), None
+
+
+class _FunctionalReduceScatter(torch.autograd.Function):
+    """The reduce-scatter along dim 0 as a functional collective; its backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_gather_tensor(grad.contiguous(), 0, ctx.group)), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, box):
+        out = x.contiguous().clone()
+        box.ready_at = _record("all_reduce", _nbytes(out), group)
+        if _state.mode == "real":
+            box.work = dist.all_reduce(out, group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # y = sum_r x_r and every rank uses y the same way: dL/dx_r = dL/dy.
+        return grad, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, box):
+        ctx.group, ctx.dim = group, dim
+        p = dist.get_world_size(group)
+        x = x.contiguous()
+        shape = list(x.shape)
+        shape[dim] *= p
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        box.ready_at = _record("all_gather", _nbytes(out), group)
+        if _state.mode == "real":
+            # Gather along dim 0 of a stacked buffer, then move the rank axis next to `dim`.
+            stacked = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+            box.work = dist.all_gather_single(stacked, x, group=group, async_op=True)
+            box.finish = lambda: out.copy_(torch.cat(stacked.view(p, *x.shape).unbind(0), dim=dim))
+        else:
+            out = torch.cat([x] * p, dim=dim) if _state.mode == "simulated" else out
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank may use the gathered tensor differently: sum the gradients of my slice over ranks.
+        return _reduce_scatter_sync(grad, ctx.group, ctx.dim), None, None, None
+
+
+def _reduce_scatter_sync(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    if not _active(group):
+        return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)] if group else x
+    p = dist.get_world_size(group)
+    parts = [c.contiguous() for c in x.chunk(p, dim=dim)]
+    out = torch.empty_like(parts[0])
+    ready_at = _record("reduce_scatter", _nbytes(x), group)
+    if _state.mode == "real":
+        dist.reduce_scatter_single(out, torch.cat(parts, dim=0), group=group)
+        return out
+    _state.clock.wait(ready_at)  # issued synchronously: the simulated rank waits at once
+    return parts[0].clone()
+
+
+def _all_gather_sync(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    box = _Box()
+    out = _AllGather.apply(x, group, dim, box)
+    return _finish(box, out)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_sync(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sync(grad, ctx.group, ctx.dim), None, None
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    """Megatron's f: identity forward; backward all-reduces the gradient of a replicated input."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group).wait(), None
+
+
+# --- public API -------------------------------------------------------------------------------
+
+
+def all_reduce(x: torch.Tensor, group) -> Handle:
+    """Sum `x` over the ranks of `group`."""
+    if not _active(group):
+        return Handle(x)
+    if _functional():
+        return Handle(_FunctionalAllReduce.apply(x, group), _FUNCTIONAL)
+    box = _Box()
+    out = _AllReduce.apply(x, group, box)
+    return Handle(out, box.work, box.ready_at)
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> Handle:
+    """Concatenate every rank's `x` along `dim` (rank order)."""
+    if not _active(group):
+        return Handle(x)
+    if _functional():
+        # Gathered along dim 0 (what the collective does), put along `dim` after the wait.
+        p, shape = dist.get_world_size(group), x.shape
+        finish = None if dim == 0 else (lambda out: torch.cat(out.view(p, *shape).unbind(0), dim=dim))
+        return Handle(_FunctionalAllGather.apply(x, group), _FUNCTIONAL, finish=finish)
+    box = _Box()
+    out = _AllGather.apply(x, group, dim, box)
+    return Handle(out, _FinishingWork(box) if box.work is not None else None, box.ready_at)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
+    """Sum over ranks, then keep this rank's chunk along `dim`. (Issued synchronously.)"""
+    if not _active(group):
+        return Handle(x)
+    if _functional():
+        p = dist.get_world_size(group)
+        stacked = torch.cat(x.chunk(p, dim=dim), dim=0) if dim != 0 else x  # rank r's chunk at rows r
+        return Handle(_FunctionalReduceScatter.apply(stacked, group), _FUNCTIONAL)
+    return Handle(_ReduceScatter.apply(x, group, dim))
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Mark `x` as the replicated input of column-parallel layers (its gradient is all-reduced)."""
+    if not _active(group):
+        return x
+    if _functional():
+        return _FunctionalCopyToTPRegion.apply(x, group)
+    return _CopyToTPRegion.apply(x, group)
