@@ -99,7 +99,7 @@ class Program:
 
     def counts(self, phase: str, calls: int) -> dict:
         """The collectives of `calls` calls of a phase: counted as they ran (eager), or read off the compiled
-        graph (a compiled graph's collectives are not counted at run time: parallel.comm._record)."""
+        graph (a compiled graph's collectives are not counted at run time: parallel.comm_modes._record)."""
         counts = comm.snapshot_counters()
         if self.graphs is not None and self.graphs[phase].graphs:
             for kind, c in self.graphs[phase].graphs[-1].items():
