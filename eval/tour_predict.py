@@ -44,6 +44,7 @@ def predict_all(cfg: DictConfig, run_dir: Path) -> dict:
                 run = run_bench_overrides([*overrides, f"sequence_parallel.methods=[{methods}]"], run_dir / "predict" / arch)
                 commands[f"{family} ({arch})"] = run["command"]
                 rows[arch] = sp_row(arch, fam, run["sequence_parallel"]["timed"], time.perf_counter() - started)
+                print(f"[tour] predicted {arch} in {rows[arch]['seconds']:.0f} s", flush=True)
             continue
         baseline = fam.baseline
         results = {}
@@ -52,6 +53,7 @@ def predict_all(cfg: DictConfig, run_dir: Path) -> dict:
             started = time.perf_counter()
             results[arch] = run_bench_overrides(alone(overrides, arch), run_dir / "predict" / arch)
             results[arch]["seconds"] = time.perf_counter() - started
+            print(f"[tour] predicted {arch} in {results[arch]['seconds']:.0f} s", flush=True)
         commands[family] = results[baseline]["command"].replace(f"archs=[{baseline}] baseline={baseline}", "archs=[<arch>] baseline=<arch>")
         for arch in results:  # the baseline's own row too: 1 by definition, and the seconds it took
             if arch in cfg.archs:

@@ -184,19 +184,20 @@ def cpu_plots(bench: dict) -> tuple[str, ...]:
 
 
 def speed_section(name: str, bench: dict, archs: list[str], out: Path) -> tuple[list[str], list[dict], dict[str, Path]]:
-    """The report's section of one tiny CPU bench: (Markdown lines, its rows, the plots it shows, copied beside the
+    """The report's section of one small CPU bench: (Markdown lines, its rows, the plots it shows, copied beside the
     report)."""
     own = {src.stem: src for src in sorted(Path(bench["out_dir"]).glob("*.png"))}  # the bench's own plot names
     named = {k: Path(f"{name}_{k}.png") for k in own}  # as they are called beside the report
     rows = speed_rows(bench, archs)
     base = bench["settings"]["baseline"]
     moe = any("a2a hidden share (decode)" in r for r in rows)
+    shape = (bench["settings"].get("bench_shape") or {}).get("name", "a small")
     lines = [
-        f"## Every schedule runs: {bench['title']} (tiny shape on this CPU; not speed results)",
+        f"## Every schedule runs: {bench['title']} ({shape} shape on this CPU; not speed results)",
         "",
-        f"`{bench['command']}`. A check that every schedule runs end to end, at a tiny shape with random weights on "
-        "this machine's cores: the numbers are within this CPU's timing noise (a few ms per step, shared cores), not "
-        "speed results; the predicted speed-ups are at the top.",
+        f"`{bench['command']}`. A check that every schedule runs end to end, at the `{shape}` bench shape "
+        "(conf/bench_shape/) with random weights on this machine's cores: the numbers are within this CPU's timing "
+        "noise (a few ms per step, shared cores), not speed results; the predicted speed-ups are at the top.",
     ]
     if rows:
         lines[-1] += (
