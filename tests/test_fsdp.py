@@ -173,7 +173,7 @@ def test_reduce_scatters_run_during_the_backward():
 
 def test_what_a_rank_holds_at_8b_dp8_tp8_as_the_readme_says():
     """Llama-3.1-8B's shapes laddered, dp 8 x tp 8 on the fake process group (meta tensors): the parameters one
-    rank holds after the layout and FSDP, as README's "Training at scale" quotes them."""
+    rank holds after the layout and FSDP, as docs/training.md's "Training at scale" quotes them."""
     from pathlib import Path
 
     config = models.build_config(
@@ -190,7 +190,7 @@ def test_what_a_rank_holds_at_8b_dp8_tp8_as_the_readme_says():
         held = sum(local_numel(p) for p in model.parameters())
     finally:
         dist.destroy_process_group()
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "training.md").read_text()  # "Training at scale"
     assert f"{total / 1e9:.2f} B parameters" in readme and f"= {held / 1e9:.2f} B parameters" in readme
     assert f"{held * 16 / 1e9:.1f} GB of state per GPU" in readme  # fp32 weights + gradients + 2 Adam moments
 
