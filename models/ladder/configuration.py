@@ -9,6 +9,7 @@ Llama checkpoint loads unchanged: `ZooLadderForCausalLM.from_pretrained(llama_di
 (without `ladder_layers`: every layer laddered).
 """
 
+from models.common.residual import check_ladder_layers, laddered_indices
 from models.llama.configuration import ZooLlamaConfig
 
 
@@ -21,32 +22,9 @@ class ZooLadderConfig(ZooLlamaConfig):
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
         super().validate()
-        n = self.num_hidden_layers
-        if self.ladder_layers is None:
-            self.ladder_layers = n  # the default: the paper's Ladder Transformer, every layer laddered
-        if isinstance(self.ladder_layers, bool) or not isinstance(self.ladder_layers, (int, list, tuple)):
-            raise ValueError(
-                f"ladder_layers={self.ladder_layers!r} must be an int in 0..{n} (the number of last layers "
-                f"to ladder), a list of layer indices in 0..{n - 1}, or None (every layer, the default)."
-            )
-        if isinstance(self.ladder_layers, int):
-            if not 0 <= self.ladder_layers <= n:
-                raise ValueError(
-                    f"ladder_layers={self.ladder_layers} is out of range; use 0..{n} (the number of last "
-                    f"layers to ladder) or a list of layer indices in 0..{n - 1}."
-                )
-        else:
-            bad = [i for i in self.ladder_layers if isinstance(i, bool) or not (isinstance(i, int) and 0 <= i < n)]
-            if bad or len(set(self.ladder_layers)) != len(self.ladder_layers):
-                raise ValueError(
-                    f"ladder_layers={list(self.ladder_layers)} must list distinct layer indices in 0..{n - 1}."
-                )
+        self.ladder_layers = check_ladder_layers(self.ladder_layers, self.num_hidden_layers)
 
     @property
     def laddered(self) -> frozenset[int]:
         """Indices of the laddered layers."""
-        if self.ladder_layers is None:  # (validate resolves it; a config whose checks were skipped)
-            return frozenset(range(self.num_hidden_layers))
-        if isinstance(self.ladder_layers, int):
-            return frozenset(range(self.num_hidden_layers - self.ladder_layers, self.num_hidden_layers))
-        return frozenset(self.ladder_layers)
+        return laddered_indices(self.ladder_layers, self.num_hidden_layers)
