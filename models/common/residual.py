@@ -15,12 +15,16 @@
 `num_hidden_layers` = every layer) or a list of layer indices; None (every layer) is resolved to the number when
 the config is built, so a config.json always states it.
 
-A layer the ladder schedule runs has two sub-blocks, `attention_block(x, position_embeddings, attention_mask,
+An architecture takes the schedule as a config field, `residual: standard | ladder` (with `ladder_layers`), checked
+by `check_residual`, and its trunk class `ResidualSchedule` (which picks the schedule in `run_layers`). A layer the
+ladder schedule runs has two sub-blocks, `attention_block(x, position_embeddings, attention_mask,
 cache)` and `mlp_block(x)`, each returning its output before its reduction, and `tp_group` (the all-reduce's group;
 None on one device).
 """
 
 from parallel import comm
+
+RESIDUALS = ("standard", "ladder")
 
 
 def check_ladder_layers(ladder_layers, num_hidden_layers: int):
@@ -44,6 +48,21 @@ def check_ladder_layers(ladder_layers, num_hidden_layers: int):
         if bad or len(set(ladder_layers)) != len(ladder_layers):
             raise ValueError(f"ladder_layers={list(ladder_layers)} must list distinct layer indices in 0..{n - 1}.")
     return ladder_layers
+
+
+def check_residual(residual, ladder_layers, num_hidden_layers: int):
+    """`ladder_layers` as the config should hold it for `residual`: resolved under the ladder schedule, None under
+    the standard one (where it means nothing: set it and the schedule is refused in one line)."""
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual={residual!r} is not a residual schedule; use one of {list(RESIDUALS)}.")
+    if residual == "standard":
+        if ladder_layers is not None:
+            raise ValueError(
+                f"ladder_layers={ladder_layers!r} is read only with residual='ladder'; set residual='ladder' "
+                "or leave ladder_layers out."
+            )
+        return None
+    return check_ladder_layers(ladder_layers, num_hidden_layers)
 
 
 def laddered_indices(ladder_layers, num_hidden_layers: int) -> frozenset[int]:
@@ -76,3 +95,18 @@ def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddi
 
 def _add(x, pending: "comm.Handle | None"):
     return x if pending is None else x + pending.wait()
+
+
+class ResidualSchedule:
+    """Trunk mixin (before ZooDecoderModel in the bases): `run_layers` under the config's `residual` schedule."""
+
+    @property
+    def runs_layers_whole(self) -> bool:
+        # Under the ladder schedule the trunk calls the layers' sub-blocks itself (FSDP units, AC regions follow).
+        return self.config.residual != "ladder"
+
+    def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
+        if self.config.residual != "ladder":
+            return super().run_layers(hidden_states, position_embeddings, attention_mask, cache)
+        laddered = laddered_indices(self.config.ladder_layers, self.config.num_hidden_layers)
+        return run_ladder(self.layers, laddered, hidden_states, position_embeddings, attention_mask, cache)

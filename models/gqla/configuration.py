@@ -36,6 +36,7 @@ The softmax scale is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), the query he
 
 import torch
 
+from models.common.residual import check_residual
 from models.llama.configuration import ZooLlamaConfig
 
 ATTN_PATHS = ("absorb", "gqa")
@@ -61,6 +62,10 @@ class ZooGQLAConfig(ZooLlamaConfig):
     attn_path: str = "absorb"
     kv_a_layernorm: bool = False
     q_lora_rank: int | None = None
+    # The residual schedule (models/common/residual.py): "ladder" waits each laddered sub-block's TP all-reduce
+    # one sub-block later; `ladder_layers` as Ladder's (None: every layer).
+    residual: str = "standard"
+    ladder_layers: int | list[int] | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
@@ -82,6 +87,7 @@ class ZooGQLAConfig(ZooLlamaConfig):
                 f"be one of {_divisors(heads)}."
             )
         super().validate()
+        self.ladder_layers = check_residual(self.residual, self.ladder_layers, self.num_hidden_layers)
         if self.attn_path not in ATTN_PATHS:
             raise ValueError(
                 f"attn_path={self.attn_path!r} is not a GQLA decode path; use 'absorb' (latent cache) or 'gqa' "

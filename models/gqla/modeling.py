@@ -49,6 +49,7 @@ from models.common import (
     apply_rotary_pos_emb,
 )
 from models.common.cache import StaticKVLayer, cache_capacity, is_static
+from models.common.residual import ResidualSchedule
 from models.gqla.configuration import ATTN_PATHS, ZooGQLAConfig
 from models.gqla.sharding import PLAN
 from parallel import comm
@@ -260,7 +261,7 @@ class ZooGQLAPreTrainedModel(ZooPreTrainedModel):
             init.normal_(module.v_up, mean=0.0, std=self.config.initializer_range)
 
 
-class ZooGQLAModel(ZooGQLAPreTrainedModel, ZooDecoderModel):
+class ZooGQLAModel(ZooGQLAPreTrainedModel, ResidualSchedule, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
         return GQLADecoderLayer(config, layer_idx)
 

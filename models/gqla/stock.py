@@ -37,6 +37,11 @@ def check_exportable(config) -> None:
         raise ValueError(
             f"export_deepseek takes a zoo gqla model, not model_type={getattr(config, 'model_type', None)!r}."
         )
+    if getattr(config, "residual", "standard") != "standard":
+        raise ValueError(
+            f"residual={config.residual!r}: DeepSeek's layers add each sub-block's output at once; only a gqla "
+            "with the standard residual schedule exports."
+        )
     H, groups = config.num_attention_heads, config.num_kv_groups
     if groups != H:
         raise ValueError(

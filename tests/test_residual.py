@@ -1,0 +1,120 @@
+"""The ladder residual schedule as an architecture's config field (models/common/residual.py), on GQLA.
+
+- `residual='ladder', ladder_layers=0` is the standard architecture exactly;
+- every layer laddered equals an independent per-layer reference of the schedule's two equations (fp64);
+- cached decode == the full forward (both GQLA decode paths);
+- TP 2 == TP 1 under the ladder schedule: logits, every gradient, cached decode (fp32 atol 1e-5);
+- bad values and the stock export are refused in one line.
+"""
+
+import pytest
+import torch
+
+import models
+import parallel
+from models.gqla.stock import check_exportable
+from tests.distributed import run_ranks
+from tests.test_tp import TP4, local_slice
+
+ENTRY = models.ZOO["gqla"]
+
+
+def build(tp: int = 1, dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    return ENTRY.model_class(ENTRY.tiny_at({"tp": tp}, **TP4, **overrides)).to(dtype).eval()
+
+
+def ids(batch=2, length=10, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_ladder_layers_0_is_the_standard_architecture_exactly():
+    standard, ladder = build(), build(residual="ladder", ladder_layers=0)
+    ladder.load_state_dict(standard.state_dict())
+    x = ids()
+    assert torch.equal(ladder(x).logits, standard(x).logits)
+    assert build(residual="ladder").config.ladder_layers == ENTRY.tiny_config["num_hidden_layers"]
+
+
+def _reference_run_layers(trunk):
+    """The spec's two equations per laddered layer, written from the layer's modules (not models/common/residual):
+    x = x + a_prev; a = Attn(LN1(x)); x = x + m_prev; m = MLP(LN2(x)); after the last layer x + a + m."""
+
+    def run_layers(hidden_states, position_embeddings, attention_mask, cache):
+        x, a_prev, m_prev = hidden_states, 0, 0
+        for layer in trunk.layers:
+            x = x + a_prev
+            a_prev = layer.self_attn(layer.input_layernorm(x), position_embeddings, attention_mask, cache)
+            x = x + m_prev
+            m_prev = layer.mlp(layer.post_attention_layernorm(x))
+        return x + a_prev + m_prev
+
+    return run_layers
+
+
+@pytest.mark.parametrize("path", ["absorb", "gqa"])
+def test_every_layer_laddered_equals_the_per_layer_reference(path):
+    ladder = build(dtype=torch.float64, residual="ladder", attn_path=path)
+    reference = build(dtype=torch.float64, attn_path=path)
+    reference.load_state_dict(ladder.state_dict())
+    reference.model.run_layers = _reference_run_layers(reference.model)
+    x = ids()
+    got, want = ladder(x).logits, reference(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # ... and it is a different function from the standard block's (the schedule changes what a layer reads)
+    assert (got - build(dtype=torch.float64, attn_path=path)(x).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("path", ["absorb", "gqa"])
+def test_cached_decode_equals_the_full_forward(path):
+    model, x = build(residual="ladder", ladder_layers=2, attn_path=path), ids(length=12)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        step = model(x[:, :7], use_cache=True)
+        pieces, cache = [step.logits], step.cache
+        for t in range(7, x.shape[1]):
+            step = model(x[:, t : t + 1], cache=cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+def _tp_equals_one_device(rank, world_size):
+    mesh = parallel.init_mesh(tp=world_size)
+    x = ids(length=12)
+    for ladder_layers in (None, 2):
+        options = dict(residual="ladder", ladder_layers=ladder_layers, attn_path="gqa")
+        reference, sharded = build(world_size, **options), build(world_size, **options)
+        parallel.parallelize(sharded, mesh)
+        assert not sharded.model.runs_layers_whole  # FSDP units and AC regions are the sub-blocks' modules
+        ref_out, out = reference(x, labels=x), sharded(x, labels=x)
+        ref_out.loss.backward()
+        out.loss.backward()
+        torch.testing.assert_close(out.logits, ref_out.logits, rtol=0, atol=1e-5)
+        ref_params = dict(reference.named_parameters())
+        for name, p in sharded.named_parameters():
+            expected = local_slice(ref_params[name].grad, p.grad, rank, world_size)
+            torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        with torch.no_grad():
+            step = sharded(x[:, :7], use_cache=True)
+            pieces, cache = [step.logits], step.cache
+            for t in range(7, x.shape[1]):
+                step = sharded(x[:, t : t + 1], cache=cache, use_cache=True)
+                pieces.append(step.logits)
+            full = reference(x, use_cache=False).logits
+        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+def test_tp2_equals_one_device_under_the_ladder_schedule():
+    run_ranks(_tp_equals_one_device, 2)
+
+
+def test_bad_values_and_the_stock_export_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"residual='lader' is not a residual schedule; use one of \['standard', 'ladder'\]"):
+        build(residual="lader")
+    with pytest.raises(ValueError, match=r"ladder_layers=2 is read only with residual='ladder'"):
+        build(ladder_layers=2)
+    with pytest.raises(ValueError, match=r"ladder_layers=9 is out of range; use 0\.\.4"):
+        build(residual="ladder", ladder_layers=9)
+    config = build(residual="ladder", kv_a_layernorm=True, rms_norm_eps=1e-6).config  # one group per head
+    with pytest.raises(ValueError, match=r"residual='ladder': DeepSeek's layers add each sub-block's output at once"):
+        check_exportable(config)
