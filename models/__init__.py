@@ -2,7 +2,7 @@
 
 from models.checkpoint import apply_special_tokens, save_checkpoint
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
-from models.gqla.convert import LLAMA_TO_GQLA
+from models.gqla.convert import GQLA_TO_LADDER, LLAMA_TO_GQLA
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.ladder.convert import LLAMA_TO_LADDER
@@ -150,6 +150,8 @@ register_converter(LLAMA_TO_MOE)
 register_converter(LLAMA_TO_SCMOE)
 # TransGQLA: RoRoPE + joint low-rank [K_nope, V] of a GQA Llama (models/gqla/convert.py).
 register_converter(LLAMA_TO_GQLA)
+# The ladder residual schedule on a trained GQLA: the same weights (models/common/residual.py).
+register_converter(GQLA_TO_LADDER)
 # Out to stock transformers classes (llama -> LlamaForCausalLM, moe -> MixtralForCausalLM, gqla at one group per
 # head -> DeepseekV3ForCausalLM): `models.export_stock(model, out_dir)`, `converter=export_stock` (registers itself).
 from models.stock_export import EXPORT_STOCK, export_stock, to_stock  # noqa: E402

@@ -4,8 +4,11 @@
 - every layer laddered equals an independent per-layer reference of the schedule's two equations (fp64);
 - cached decode == the full forward (both GQLA decode paths);
 - TP 2 == TP 1 under the ladder schedule: logits, every gradient, cached decode (fp32 atol 1e-5);
-- bad values and the stock export are refused in one line.
+- bad values and the stock export are refused in one line;
+- `train.convert converter=gqla_to_ladder` keeps the weights and changes the schedule.
 """
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from tests.distributed import run_ranks
 from tests.test_tp import TP4, local_slice
 
 ENTRY = models.ZOO["gqla"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(tp: int = 1, dtype=torch.float32, **overrides):
@@ -118,3 +122,32 @@ def test_bad_values_and_the_stock_export_are_refused_in_one_line():
     config = build(residual="ladder", kv_a_layernorm=True, rms_norm_eps=1e-6).config  # one group per head
     with pytest.raises(ValueError, match=r"residual='ladder': DeepSeek's layers add each sub-block's output at once"):
         check_exportable(config)
+
+
+def test_gqla_to_ladder_keeps_the_weights_and_changes_the_schedule(tmp_path):
+    """`python -m train.convert converter=gqla_to_ladder source=DIR ladder_layers=2`: the converted checkpoint holds
+    the source's weights bit for bit, states the schedule in config.json, and loads through the Auto classes."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import save_checkpoint
+    from train.convert import convert
+    from train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    source = tmp_path / "gqla"
+    save_checkpoint(build(vocab_size=len(tokenizer)), tokenizer, source)
+    overrides = ["converter=gqla_to_ladder", f"source={source}", "ladder_layers=2", "data.seq_len=32",
+                 "data.batch_size=4", "evaluate.max_batches=2", f"paths.output_dir={tmp_path / 'run'}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        result = convert(compose("convert", overrides=overrides))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "gqla")
+    assert (converted.config.residual, converted.config.ladder_layers) == ("ladder", 2)
+    original = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    assert all(torch.equal(t, original[k]) for k, t in converted.state_dict().items())
+    assert set(result["val"]) == {"gqla (source)", "gqla, no retraining"}
+    assert result["residual"] == "ladder" and result["ladder_layers"] == 2
+    with pytest.raises(ValueError, match=r"this conversion reads 'zoo_gqla'"):
+        llama = tmp_path / "llama"
+        save_checkpoint(models.build_model("llama", **models.TINY_LLAMA), tokenizer, llama)
+        models.get_converter("gqla_to_ladder").convert(llama, ladder_layers=2)

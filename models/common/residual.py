@@ -22,6 +22,9 @@ cache)` and `mlp_block(x)`, each returning its output before its reduction, and 
 None on one device).
 """
 
+import json
+from pathlib import Path
+
 from parallel import comm
 
 RESIDUALS = ("standard", "ladder")
@@ -95,6 +98,24 @@ def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddi
 
 def _add(x, pending: "comm.Handle | None"):
     return x if pending is None else x + pending.wait()
+
+
+def to_ladder(model_class, source: str | Path, ladder_layers=None, **kwargs):
+    """A checkpoint trained under the standard schedule, loaded under the ladder one: the same weights, the schedule
+    changed (as Llama -> Ladder), `ladder_layers` as the config's (None: every layer). `model_class`: the
+    architecture's ...ForCausalLM, whose config has the `residual` field; a checkpoint of another type is refused."""
+    config_file = Path(source) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"No config.json in {source}; pass the directory of a saved checkpoint.")
+    model_type, wanted = json.loads(config_file.read_text()).get("model_type"), model_class.config_class.model_type
+    if model_type != wanted:
+        raise ValueError(f"Checkpoint {source} has model_type={model_type!r}; this conversion reads {wanted!r}.")
+    return model_class.from_pretrained(source, residual="ladder", ladder_layers=ladder_layers, **kwargs)
+
+
+def check_to_ladder(config_class, source: str | Path, ladder_layers=None) -> None:
+    """The config's own checks of `ladder_layers` for this checkpoint's layers, from its config alone."""
+    config_class.from_pretrained(source, residual="ladder", ladder_layers=ladder_layers)
 
 
 class ResidualSchedule:
