@@ -54,6 +54,8 @@ MIXTRAL_REQUIRES = {
     "capacity_factor": None,
     "dispatch_capacity_factor": None,
     "attention_bias": False,
+    "residual": "standard",  # Mixtral adds each sub-block's output at once
+    "ladder_layers": None,
 }
 ZOO_MOE_FIELDS = (
     *MIXTRAL_REQUIRES,
@@ -102,7 +104,7 @@ def mixtral_config(config) -> MixtralConfig:
         needed = ", ".join(f"{k}={MIXTRAL_REQUIRES[k]!r}" for k in wrong)
         raise ValueError(
             f"This moe has {given}, which MixtralForCausalLM cannot compute (it needs {needed}: every layer an "
-            "MoE layer, softmax routing, no balance bias, dropless, no attention bias); it cannot be exported to "
+            "MoE layer, softmax routing, no balance bias, dropless, no attention bias, the standard residual schedule); it cannot be exported to "
             "a stock class: save it with models.checkpoint.save_checkpoint (remote code) instead."
         )
     # The Llama fields Mixtral shares (the zoo moe's others are checked above or implementation choices).

@@ -8,6 +8,7 @@
 - `train.convert converter=gqla_to_ladder` keeps the weights and changes the schedule.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,72 @@ def test_gqla_to_ladder_keeps_the_weights_and_changes_the_schedule(tmp_path):
         llama = tmp_path / "llama"
         save_checkpoint(models.build_model("llama", **models.TINY_LLAMA), tokenizer, llama)
         models.get_converter("gqla_to_ladder").convert(llama, ladder_layers=2)
+
+
+# --- the ladder schedule on an MoE: the combine all-to-all of layer i's experts waited after layer i+1's attention
+
+
+MOE = models.ZOO["moe"]
+
+
+def build_moe(degrees=None, dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    return MOE.model_class(MOE.tiny_at(degrees or {}, **overrides)).to(dtype)
+
+
+def _moe_reference_run_layers(trunk):
+    """The two equations per laddered layer, an MoE layer's MLP being its experts' block (not residual.py)."""
+
+    def run_layers(hidden_states, position_embeddings, attention_mask, cache):
+        x, a_prev, m_prev = hidden_states, 0, 0
+        for layer in trunk.layers:
+            x = x + a_prev
+            a_prev = layer.self_attn(layer.input_layernorm(x), position_embeddings, attention_mask, cache)
+            x = x + m_prev
+            h = layer.post_attention_layernorm(x)
+            m_prev = layer.mlp(h)[0] if layer.is_moe else layer.mlp(h)
+        return x + a_prev + m_prev
+
+    return run_layers
+
+
+def test_moe_ladder_layers_0_is_moe_exactly_and_every_layer_is_the_reference():
+    x = ids()
+    standard, none_laddered = build_moe(), build_moe(residual="ladder", ladder_layers=0)
+    none_laddered.load_state_dict(standard.state_dict())
+    a, b = standard.train()(x, labels=x), none_laddered.train()(x, labels=x)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)  # the balance loss included
+
+    ladder = build_moe(dtype=torch.float64, residual="ladder").eval()
+    reference = build_moe(dtype=torch.float64).eval()
+    reference.load_state_dict(ladder.state_dict())
+    reference.model.run_layers = _moe_reference_run_layers(reference.model)
+    torch.testing.assert_close(ladder(x).logits, reference(x).logits, rtol=0, atol=1e-10)
+
+
+def test_moe_ladder_cached_decode_equals_the_full_forward():
+    model, x = build_moe(residual="ladder", ladder_layers=2).eval(), ids(length=12)
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        step = model(x[:, :7], use_cache=True)
+        pieces, cache = [step.logits], step.cache
+        for t in range(7, x.shape[1]):
+            step = model(x[:, t : t + 1], cache=cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+def _moe_ladder_sharded(rank, world_size, degrees):
+    from tests.test_ep import check_equivalence
+
+    mesh = parallel.init_mesh(**degrees)
+    for ladder_layers in (None, 1):
+        check_equivalence(mesh, "moe", residual="ladder", ladder_layers=ladder_layers, router_aux_loss_coef=0.5)
+    check_equivalence(mesh, "moe", dtype=torch.float64, residual="ladder")
+
+
+@pytest.mark.parametrize("degrees", [{"ep": 2}, {"ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
+def test_moe_ladder_sharded_equals_one_process(degrees):
+    """EP 2 and EP 2 x TP 2 == one process on the whole batch: logits, loss with the balance loss, every gradient
+    (fp32 atol 1e-5; float64 1e-10), tests/test_ep.py's check with the ladder schedule."""
+    run_ranks(_moe_ladder_sharded, math.prod(degrees.values()), degrees)

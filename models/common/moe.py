@@ -201,19 +201,35 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`token_mask` [B, T] (1: a token, 0: padding) is read by the "hf" balance loss only: its aux is
         {"balance_statistics": ...} (unweighted), which the model pools over its layers."""
+        pending, aux = self.issue(x, token_mask)
+        return pending.wait(), aux  # waits the combine
+
+    def issue(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple["CombineInFlight", dict]:
+        """`forward` up to its last collective: route, dispatch (waited), this rank's experts, the combine ISSUED.
+        Returns (pending, aux): `pending.wait()` waits the combine and gives the block's output, shaped as x. For
+        a schedule that waits the combine later (the ladder residual schedule)."""
         shape = x.shape
         pending, routing = self.dispatch(x.reshape(-1, shape[-1]))  # all-to-all issued
         pending.compute()  # waits the dispatch; local experts; combine issued
-        y = pending.combine()  # waits the combine
         if self.aux_loss_style == "hf":
             aux = {}
             if self.training and self.aux_loss_coef > 0:
                 stats = balance_statistics(routing.probs, routing.expert_idx, self.num_experts, token_mask, self.ep_group)
                 aux = {"balance_statistics": stats}
-            return y.view(shape), aux
+            return CombineInFlight(pending, shape), aux
         balance = self.balance_loss(routing)
         aux = {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
-        return y.view(shape), aux
+        return CombineInFlight(pending, shape), aux
+
+
+class CombineInFlight:
+    """An MoE block's output whose combine all-to-all is in flight; `wait()` waits it: sum_i g_i E_i(x), as x."""
+
+    def __init__(self, pending, shape: torch.Size):
+        self.pending, self.shape = pending, shape
+
+    def wait(self) -> torch.Tensor:
+        return self.pending.combine().view(self.shape)
 
 
 def init_moe_weights(module: nn.Module, std: float, residual_scale: float = 1.0) -> None:

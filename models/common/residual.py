@@ -77,23 +77,39 @@ def laddered_indices(ladder_layers, num_hidden_layers: int) -> frozenset[int]:
     return frozenset(ladder_layers)
 
 
-def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddings, attention_mask, cache):
-    """The ladder schedule over `layers`: each laddered sub-block's all-reduce is waited one sub-block later."""
+def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddings, attention_mask, cache, aux=None):
+    """The ladder schedule over `layers`: each laddered sub-block's last collective is waited one sub-block later.
+
+    A sub-block's collective is the TP all-reduce of its partial output, or, where the layer says otherwise with
+    `mlp_in_flight(x) -> (pending, aux)` (an MoE layer: the combine all-to-all), what that returns; `pending.wait()`
+    gives the output to add. A layer returning `(x, aux)` (MoE layers) has its aux dicts appended to `aux`."""
     x = hidden_states
-    attn_pending = mlp_pending = None  # all-reduces in flight from the previous laddered layer
+    attn_pending = mlp_pending = None  # collectives in flight from the previous laddered layer
     for i, layer in enumerate(layers):
         if i not in laddered:
             x = _add(_add(x, attn_pending), mlp_pending)
             attn_pending = mlp_pending = None
-            x = layer(x, position_embeddings, attention_mask, cache)
+            x = _collect(layer(x, position_embeddings, attention_mask, cache), aux)
             continue
         x = _add(x, attn_pending)  # wait for layer i-1's attention output
         attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
         attn_pending = comm.all_reduce(attn_out, layer.tp_group)  # overlaps this layer's MLP
         x = _add(x, mlp_pending)  # wait for layer i-1's MLP output
-        mlp_out = layer.mlp_block(x)
-        mlp_pending = comm.all_reduce(mlp_out, layer.tp_group)  # overlaps the next attention
+        if hasattr(layer, "mlp_in_flight"):
+            mlp_pending = _collect(layer.mlp_in_flight(x), aux)  # overlaps the next attention
+        else:
+            mlp_pending = comm.all_reduce(layer.mlp_block(x), layer.tp_group)  # overlaps the next attention
     return _add(_add(x, attn_pending), mlp_pending)
+
+
+def _collect(out, aux: list | None):
+    """`out`, or its first part where a layer returned (value, aux dict), the dict appended to `aux`."""
+    if not isinstance(out, tuple):
+        return out
+    value, extra = out
+    if aux is not None:
+        aux.append(extra)
+    return value
 
 
 def _add(x, pending: "comm.Handle | None"):
@@ -129,5 +145,14 @@ class ResidualSchedule:
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
         if self.config.residual != "ladder":
             return super().run_layers(hidden_states, position_embeddings, attention_mask, cache)
-        laddered = laddered_indices(self.config.ladder_layers, self.config.num_hidden_layers)
-        return run_ladder(self.layers, laddered, hidden_states, position_embeddings, attention_mask, cache)
+        return self.run_schedule(hidden_states, position_embeddings, attention_mask, cache)
+
+    def run_schedule(self, hidden_states, position_embeddings, attention_mask, cache, aux=None):
+        """The layers under the config's schedule; layers returning `(x, aux dict)` have the dicts appended to
+        `aux` (for a trunk that pools auxiliary losses over its layers)."""
+        if self.config.residual == "ladder":
+            laddered = laddered_indices(self.config.ladder_layers, self.config.num_hidden_layers)
+            return run_ladder(self.layers, laddered, hidden_states, position_embeddings, attention_mask, cache, aux)
+        for layer in self.layers:
+            hidden_states = _collect(layer(hidden_states, position_embeddings, attention_mask, cache), aux)
+        return hidden_states

@@ -22,6 +22,7 @@
 
 from models.common.moe import AUX_LOSS_STYLES, SCORE_FUNCS
 from models.common.moe_config import MoeConfigMixin
+from models.common.residual import check_residual
 from models.llama.configuration import ZooLlamaConfig
 
 
@@ -39,11 +40,17 @@ class ZooMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     experts_impl: str = "grouped_mm"
     moe_dispatch: str = "dropless"
     dispatch_capacity_factor: float | None = None
+    # The residual schedule (models/common/residual.py): "ladder" waits each laddered sub-block's last collective
+    # one sub-block later (an MoE layer's combine all-to-all, a dense layer's TP all-reduce); `ladder_layers` as
+    # Ladder's (None: every layer).
+    residual: str = "standard"
+    ladder_layers: int | list[int] | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
         super().validate()
         self.check_moe_fields()
+        self.ladder_layers = check_residual(self.residual, self.ladder_layers, self.num_hidden_layers)
         freq, layers = self.moe_layer_freq, self.num_hidden_layers
         if isinstance(freq, bool) or not isinstance(freq, int) or not 1 <= freq <= layers:
             raise ValueError(

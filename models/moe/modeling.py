@@ -36,6 +36,7 @@ from torch import nn
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
 from models.common.moe import MoeDispatchMixin, SparseMoE, hf_load_balance_loss, init_moe_weights
 from models.common.pretrained import _checkpoint_model_type
+from models.common.residual import ResidualSchedule
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
 from parallel import comm
@@ -69,6 +70,14 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         # dispatches over ep and waits both all-to-alls inside (SparseMoE.forward).
         moe_out, aux = self.mlp(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
         return hidden_states + moe_out, aux
+
+    def mlp_in_flight(self, hidden_states):
+        """The MLP sub-block with its last collective still in flight, for the ladder schedule: a dense layer's
+        TP all-reduce, an MoE layer's combine all-to-all (the dispatch waited, this rank's experts run).
+        Returns (pending, aux); `pending.wait()` gives the output to add to the stream."""
+        if not self.is_moe:
+            return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
+        return self.mlp.issue(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
 
 
 class ZooMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
@@ -113,7 +122,7 @@ class ZooMoePreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
         )
 
 
-class ZooMoeModel(ZooMoePreTrainedModel, ZooDecoderModel):
+class ZooMoeModel(ZooMoePreTrainedModel, ResidualSchedule, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
         return MoeDecoderLayer(config, layer_idx)
 
@@ -133,13 +142,10 @@ class ZooMoeModel(ZooMoePreTrainedModel, ZooDecoderModel):
                 layer.token_mask = None
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
-        balance, statistics = [], []
-        for layer in self.layers:
-            hidden_states, aux = layer(hidden_states, position_embeddings, attention_mask, cache)
-            if "load_balance" in aux:
-                balance.append(aux["load_balance"])
-            if "balance_statistics" in aux:
-                statistics.append(aux["balance_statistics"])
+        auxes = []  # each layer's aux dict, under the config's residual schedule
+        hidden_states = self.run_schedule(hidden_states, position_embeddings, attention_mask, cache, auxes)
+        balance = [aux["load_balance"] for aux in auxes if "load_balance" in aux]
+        statistics = [aux["balance_statistics"] for aux in auxes if "balance_statistics" in aux]
         if statistics:  # router_aux_loss_style="hf": one loss pooled over the MoE layers
             loss = hf_load_balance_loss(statistics, self.config.num_local_experts)
             return hidden_states, {"load_balance": self.config.router_aux_loss_coef * loss}
