@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import models
 from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
+from models.common import residual
 from models.common.cache import StaticKVLayer
 from models.ladder import modeling as ladder_modeling
 from models.moepp.entry import k_eff
@@ -118,11 +119,11 @@ def test_moving_one_wait_in_forward_changes_the_prediction(monkeypatch):
         # sub-block later (the attention's stays overlapped).
         x, attn_pending = hidden_states, None
         for layer in self.layers:
-            x = ladder_modeling._add(x, attn_pending)
+            x = residual._add(x, attn_pending)
             attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
             attn_pending = comm.all_reduce(attn_out, layer.tp_group)
             x = x + comm.all_reduce(layer.mlp_block(x), layer.tp_group).wait()
-        return ladder_modeling._add(x, attn_pending)
+        return residual._add(x, attn_pending)
 
     monkeypatch.setattr(ladder_modeling.ZooLadderModel, "run_layers", run_layers)
     after = _record("ladder").predict(device, "pcie4")
