@@ -11,6 +11,7 @@ page to the repository root). After regenerating a report, run this to rewrite e
 fails while a block differs from what this writes, so a report and the docs cannot disagree.
 """
 
+import functools
 import json
 import re
 import sys
@@ -41,6 +42,7 @@ GLANCE = ["parallel", "ladder", "kraken", "gqla", "scmoe", "moepp", "linear", "l
 QUALITY_LABEL = {"moepp": "moepp_paper"}
 
 
+@functools.cache  # one read per report: the tables read the same ones over and over
 def _load(path: str) -> dict:
     return json.loads((ROOT / path).read_text())
 
@@ -170,8 +172,8 @@ def seeds(rel: str) -> list[str]:
 def conversions(rel: str) -> list[str]:
     lines = ["| conversion | source | right after | retrained | report |", "|---|---|---|---|---|"]
     for label, path, target in CONVERSIONS:
-        val = _load(path)["val"]
-        steps = _load(path)["retrain"].get("global_step")
+        report = _load(path)
+        val, steps = report["val"], report["retrain"].get("global_step")
         lines.append(
             f"| {label} | {val['llama (source)']['loss']:.4f} | {val[f'{target}, no retraining']['loss']:.4f} "
             f"| {val[f'{target}, retrained']['loss']:.4f}{f' ({steps} steps)' if steps else ''} "

@@ -33,6 +33,17 @@ def ids(batch=2, length=10, seed=1):
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@torch.no_grad()
+def decoded_in_steps(model, x, prompt: int = 7) -> torch.Tensor:
+    """Logits of a prefill of `prompt` tokens, then one cached decode step per remaining token, concatenated."""
+    step = model(x[:, :prompt], use_cache=True)
+    pieces, cache = [step.logits], step.cache
+    for t in range(prompt, x.shape[1]):
+        step = model(x[:, t : t + 1], cache=cache, use_cache=True)
+        pieces.append(step.logits)
+    return torch.cat(pieces, 1)
+
+
 def test_ladder_layers_0_is_the_standard_architecture_exactly():
     standard, ladder = build(), build(residual="ladder", ladder_layers=0)
     ladder.load_state_dict(standard.state_dict())
@@ -75,12 +86,7 @@ def test_cached_decode_equals_the_full_forward(path):
     model, x = build(residual="ladder", ladder_layers=2, attn_path=path), ids(length=12)
     with torch.no_grad():
         full = model(x, use_cache=False).logits
-        step = model(x[:, :7], use_cache=True)
-        pieces, cache = [step.logits], step.cache
-        for t in range(7, x.shape[1]):
-            step = model(x[:, t : t + 1], cache=cache, use_cache=True)
-            pieces.append(step.logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(decoded_in_steps(model, x), full, rtol=0, atol=1e-5)
 
 
 def _tp_equals_one_device(rank, world_size):
@@ -100,13 +106,8 @@ def _tp_equals_one_device(rank, world_size):
             expected = local_slice(ref_params[name].grad, p.grad, rank, world_size)
             torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         with torch.no_grad():
-            step = sharded(x[:, :7], use_cache=True)
-            pieces, cache = [step.logits], step.cache
-            for t in range(7, x.shape[1]):
-                step = sharded(x[:, t : t + 1], cache=cache, use_cache=True)
-                pieces.append(step.logits)
             full = reference(x, use_cache=False).logits
-        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+        torch.testing.assert_close(decoded_in_steps(sharded, x), full, rtol=0, atol=1e-5)
 
 
 def test_tp2_equals_one_device_under_the_ladder_schedule():
@@ -199,12 +200,7 @@ def test_moe_ladder_cached_decode_equals_the_full_forward():
     model, x = build_moe(residual="ladder", ladder_layers=2).eval(), ids(length=12)
     with torch.no_grad():
         full = model(x, use_cache=False).logits
-        step = model(x[:, :7], use_cache=True)
-        pieces, cache = [step.logits], step.cache
-        for t in range(7, x.shape[1]):
-            step = model(x[:, t : t + 1], cache=cache, use_cache=True)
-            pieces.append(step.logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(decoded_in_steps(model, x), full, rtol=0, atol=1e-5)
 
 
 def _moe_ladder_sharded(rank, world_size, degrees):

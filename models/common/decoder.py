@@ -52,6 +52,11 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
     def mlp_block(self, hidden_states):
         return self.mlp(self.post_attention_layernorm(hidden_states))
 
+    def mlp_in_flight(self, hidden_states):
+        """The MLP sub-block with its all-reduce still in flight, for a schedule that waits it later (the ladder
+        residual schedule, models/common/residual.py): (pending, aux), `pending.wait()` the output to add."""
+        return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
+
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.

@@ -80,9 +80,9 @@ def laddered_indices(ladder_layers, num_hidden_layers: int) -> frozenset[int]:
 def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddings, attention_mask, cache, aux=None):
     """The ladder schedule over `layers`: each laddered sub-block's last collective is waited one sub-block later.
 
-    A sub-block's collective is the TP all-reduce of its partial output, or, where the layer says otherwise with
-    `mlp_in_flight(x) -> (pending, aux)` (an MoE layer: the combine all-to-all), what that returns; `pending.wait()`
-    gives the output to add. A layer returning `(x, aux)` (MoE layers) has its aux dicts appended to `aux`."""
+    The attention's collective is the TP all-reduce of its partial output; the MLP's is what the layer's
+    `mlp_in_flight(x) -> (pending, aux)` issues (PreNormDecoderLayer: the TP all-reduce; an MoE layer: the combine
+    all-to-all); `pending.wait()` gives the output to add. Aux dicts (MoE layers) are appended to `aux`."""
     x = hidden_states
     attn_pending = mlp_pending = None  # collectives in flight from the previous laddered layer
     for i, layer in enumerate(layers):
@@ -95,10 +95,7 @@ def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddi
         attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
         attn_pending = comm.all_reduce(attn_out, layer.tp_group)  # overlaps this layer's MLP
         x = _add(x, mlp_pending)  # wait for layer i-1's MLP output
-        if hasattr(layer, "mlp_in_flight"):
-            mlp_pending = _collect(layer.mlp_in_flight(x), aux)  # overlaps the next attention
-        else:
-            mlp_pending = comm.all_reduce(layer.mlp_block(x), layer.tp_group)  # overlaps the next attention
+        mlp_pending = _collect(layer.mlp_in_flight(x), aux)  # overlaps the next attention
     return _add(_add(x, attn_pending), mlp_pending)
 
 
@@ -143,8 +140,6 @@ class ResidualSchedule:
         return self.config.residual != "ladder"
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
-        if self.config.residual != "ladder":
-            return super().run_layers(hidden_states, position_embeddings, attention_mask, cache)
         return self.run_schedule(hidden_states, position_embeddings, attention_mask, cache)
 
     def run_schedule(self, hidden_states, position_embeddings, attention_mask, cache, aux=None):

@@ -73,10 +73,10 @@ class MoeDecoderLayer(PreNormDecoderLayer):
 
     def mlp_in_flight(self, hidden_states):
         """The MLP sub-block with its last collective still in flight, for the ladder schedule: a dense layer's
-        TP all-reduce, an MoE layer's combine all-to-all (the dispatch waited, this rank's experts run).
-        Returns (pending, aux); `pending.wait()` gives the output to add to the stream."""
+        TP all-reduce (the shared layer's), an MoE layer's combine all-to-all (the dispatch waited, this rank's
+        experts run). Returns (pending, aux); `pending.wait()` gives the output to add to the stream."""
         if not self.is_moe:
-            return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
+            return super().mlp_in_flight(hidden_states)
         return self.mlp.issue(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
 
 
