@@ -4,21 +4,11 @@
     python -m train.convert converter=NAME source=DIR [its options]
     python -m train.convert converter=llama_to_moe source=DIR num_local_experts=4 moe_layer_freq=2
 
-`converter` names one of `models.CONVERTERS`:
-- `llama_to_ladder` (default): an HF `LlamaForCausalLM` or zoo `llama` checkpoint with its last N layers
-  laddered, same weights, rewired residual stream (option `ladder_layers`, required);
-- `llama_to_moe`, `llama_to_scmoe`: sparse upcycling, every expert a copy of its layer's dense MLP and a
-  fresh router (options `num_local_experts`, `num_experts_per_tok`, and `moe_layer_freq` / `shortcut_position`,
-  `router_aux_loss_coef`; unset ones take the target config's default). See models/moe/convert.py and
-  models/scmoe/convert.py;
-- `mixtral_to_moe`: a Mixtral checkpoint renamed into the zoo's `moe`, the same function (models/moe/convert.py;
-  option `router_aux_loss_coef`);
-- `export_stock`: a zoo `llama` / `moe` / `gqla` checkpoint written as a stock transformers class
-  (LlamaForCausalLM / MixtralForCausalLM / DeepseekV3ForCausalLM, models/stock_export.py), saved with the class's own `save_pretrained` (no remote code)
-  into <run dir>/stock; no retraining (the zoo's trainer trains zoo models);
-- `llama_to_gqla`: TransGQLA (models/gqla/convert.py), calibrated on the first `calibration_batches`
-  training batches of the bundled corpus (`calibration_batches`, handed to a converter whose `calibration`
-  is set: models/ reads no data of its own).
+`converter` names one of `models.CONVERTERS`, each registered by its architecture's folder (docs/checkpoints.md
+tables them; `llama_to_ladder` is the default). A converter whose `calibration` is set is handed that many
+training batches of the bundled corpus (`calibration_batches`): models/ reads no data of its own. A converter
+whose target is not a zoo architecture (`export_stock`) writes the class's own files, without remote code or
+retraining.
 The converter states which checkpoints it reads, which options it takes (top-level keys of this app's
 config, conf/convert.yaml: an option of another converter is refused) and what it checks; this app checks
 that the source is a saved checkpoint of one of those kinds, converts (seeded by `seed`: fresh weights
