@@ -201,8 +201,11 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`token_mask` [B, T] (1: a token, 0: padding) is read by the "hf" balance loss only: its aux is
         {"balance_statistics": ...} (unweighted), which the model pools over its layers."""
-        pending, aux = self.issue(x, token_mask)
-        return pending.wait(), aux  # waits the combine
+        shape = x.shape
+        pending, routing = self.dispatch(x.reshape(-1, shape[-1]))  # all-to-all issued
+        pending.compute()  # waits the dispatch; local experts; combine issued
+        y = pending.combine()  # waits the combine: nothing runs between its issue and its wait
+        return y.view(shape), self.aux(routing, token_mask)
 
     def issue(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple["CombineInFlight", dict]:
         """`forward` up to its last collective: route, dispatch (waited), this rank's experts, the combine ISSUED.
@@ -211,15 +214,18 @@ class SparseMoE(nn.Module):
         shape = x.shape
         pending, routing = self.dispatch(x.reshape(-1, shape[-1]))  # all-to-all issued
         pending.compute()  # waits the dispatch; local experts; combine issued
+        return CombineInFlight(pending, shape), self.aux(routing, token_mask)
+
+    def aux(self, routing: Routing, token_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The block's auxiliary loss of `routing`: {"load_balance": weighted loss} ("zoo"), {"balance_statistics":
+        ...} ("hf", pooled over the layers by the model), or {} outside training or with the loss off."""
         if self.aux_loss_style == "hf":
-            aux = {}
-            if self.training and self.aux_loss_coef > 0:
-                stats = balance_statistics(routing.probs, routing.expert_idx, self.num_experts, token_mask, self.ep_group)
-                aux = {"balance_statistics": stats}
-            return CombineInFlight(pending, shape), aux
+            if not (self.training and self.aux_loss_coef > 0):
+                return {}
+            stats = balance_statistics(routing.probs, routing.expert_idx, self.num_experts, token_mask, self.ep_group)
+            return {"balance_statistics": stats}
         balance = self.balance_loss(routing)
-        aux = {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
-        return CombineInFlight(pending, shape), aux
+        return {} if balance is None else {"load_balance": self.aux_loss_coef * balance}
 
 
 class CombineInFlight:
