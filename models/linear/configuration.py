@@ -13,8 +13,12 @@
   `lasp2` = LASP-2 for the linear layers (one all-gather of d_k x d_v states) and LASP-2H for the softmax
   layers (all-gather of K and V); `lasp1` = the baselines, LASP-1 (a ring of states) and ring attention.
   On one device it changes nothing.
+- `residual` (`standard` | `ladder`) with `ladder_layers`: the residual schedule (models/common/residual.py).
+  Under TP (sharding.py) "ladder" waits each laddered sub-block's all-reduce one sub-block later; under SP a
+  layer's collectives sit inside its mixer (the mixing needs them), so the schedule defers none there.
 """
 
+from models.common.residual import check_residual
 from models.llama.configuration import ZooLlamaConfig
 from parallel.sequence import SP_METHODS
 
@@ -29,10 +33,13 @@ class ZooLinearConfig(ZooLlamaConfig):
     decay: str = "none"
     chunk_size: int = 64
     sp_method: str = "lasp2"
+    residual: str = "standard"
+    ladder_layers: int | list[int] | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
         super().validate()
+        self.ladder_layers = check_residual(self.residual, self.ladder_layers, self.num_hidden_layers)
         pattern, layers = self.layer_pattern, self.num_hidden_layers
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(LAYER_KINDS):
             bad = sorted(set(pattern) - set(LAYER_KINDS)) if isinstance(pattern, str) else []

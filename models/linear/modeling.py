@@ -50,6 +50,7 @@ from models.common import (
     ZooPreTrainedModel,
 )
 from models.common.cache import StaticKVLayer, StaticStateLayer, is_static
+from models.common.residual import ResidualSchedule
 from models.linear.configuration import ZooLinearConfig
 from models.linear.ops import linear_attention
 from models.linear.sharding import PLAN
@@ -343,7 +344,7 @@ class ZooLinearPreTrainedModel(ZooPreTrainedModel):
             values = fixed_log_decay(module.decay, module.num_heads, module.layer_idx, module.num_layers)
             init.copy_(module.fixed_log_decay_bits, values.view(torch.int64))
 
-class ZooLinearModel(ZooLinearPreTrainedModel, ZooDecoderModel):
+class ZooLinearModel(ZooLinearPreTrainedModel, ResidualSchedule, ZooDecoderModel):
     def __init__(self, config):
         super().__init__(config)
         # Set by the "sp" layout (sharding.py); None = one device.
