@@ -70,9 +70,12 @@ def _check_one(rank, world_size, mesh, name):
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=ATOL)
 
     # The cache is sharded with the model: a rank holds 1/P of the unsharded model's keys and values (its
-    # KV heads, or its own stream's layers).
+    # KV heads, or its own stream's layers) and of its recurrent states (linear attention: its heads). Every
+    # tensor a cache layer holds is counted, whatever its name.
     def cached(c):
-        return sum(layer.keys.numel() + layer.values.numel() for layer in c.layers)
+        tensors = [t for layer in c.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        assert tensors, f"{name}: the cache holds no tensor after a prefill"
+        return sum(t.numel() for t in tensors)
 
     assert cached(cache) * world_size == cached(ref_cache)
 
