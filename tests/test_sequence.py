@@ -285,7 +285,7 @@ def test_bad_input_is_one_clear_error(fake_sp4):
     with pytest.raises(ValueError, match=r"Unknown sp_method 'ring'"):
         sequence.softmax_attention(q, q, q, group, method="ring")
     config = models.get("linear").tiny()
-    with pytest.raises(ValueError, match=r"no tensor-parallel layout, so tp=2 does not fit"):
+    with pytest.raises(ValueError, match=r"shards over sp or over tp, not both at once \(tp=2 with sp=2\)"):
         models.get("linear").check_layout(config, {"sp": 2, "tp": 2})
     models.get("linear").check_layout(config, {"dp": 2, "sp": 4, "tp": 1})
 

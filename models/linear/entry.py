@@ -18,15 +18,22 @@ def hybrid_bench_config(shape: dict, degrees: dict[str, int], **overrides) -> Zo
 
 
 def collectives_per_forward(config, degrees: dict[str, int]) -> dict[str, Collectives]:
-    """One forward under sequence parallelism over P = degrees["sp"] ranks (parallel/sequence.py; there is
-    no tensor-parallel layout):
+    """One forward under tensor parallelism (tp) or sequence parallelism (sp; sharding.py: not both).
 
+    TP over P = degrees["tp"] ranks: an all-reduce of B x T x d after each layer's attention (linear or
+    softmax) and one after its MLP, as Llama's (Megatron's f on the replicated inputs, and on the output
+    norm's weight, communicates in the backward only).
+
+    SP over P = degrees["sp"] ranks (parallel/sequence.py):
     - `sp_method: lasp2`: per linear layer one all-gather of this rank's d_k x d_v states, B x H of them,
       whose size does not depend on the tokens (declared with 0 values per token); per softmax layer
       (LASP-2H) two all-gathers, of K and of V (num_key_value_heads x head_dim values per token each).
     - `sp_method: lasp1`: per linear layer P - 1 ring hops (send_recv) of one such state; per softmax layer
       (ring attention) P - 1 hops of K and V together.
     """
+    if degrees.get("tp", 1) > 1:
+        calls = 2 * config.num_hidden_layers
+        return {"all_reduce": Collectives(calls, calls * config.hidden_size)}
     p = degrees.get("sp", 1)
     if p == 1:
         return {}

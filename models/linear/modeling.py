@@ -30,6 +30,11 @@ and RoPE) to parallel.sequence, with the config's `sp_method` ("lasp2" | "lasp1"
   the keys before and in the chunk.
 Each returns the chunk's output [B, H, C, D]. A cache under sequence parallelism is an error (decode on
 one device).
+
+Tensor parallelism (sharding.py states the layout): the same forward on a rank's heads. `num_heads` is then
+the local count and `first_head` the first of them (the decay's values are those heads'); the output norm
+(`HeadNorm`, one weight shared by every head) gets its full gradient through `tp_group`; the decoder layer
+all-reduces each sub-block's partial output. A cache then holds the rank's heads only.
 """
 
 import math
@@ -54,6 +59,7 @@ from models.common.residual import ResidualSchedule
 from models.linear.configuration import ZooLinearConfig
 from models.linear.ops import linear_attention
 from models.linear.sharding import PLAN
+from parallel import comm
 from parallel.sequence import chunk_offset
 from parallel.sequence import linear_attention as sp_linear_attention
 from parallel.sequence import softmax_attention as sp_softmax_attention
@@ -211,6 +217,20 @@ def _check_cache(cache) -> None:
 # --- the sequence mixers
 
 
+class HeadNorm(RMSNorm):
+    """The per-head output RMSNorm: one weight over head_dim that every head shares. Under tensor parallelism a
+    rank normalises its own heads only, so the weight's gradient there is a partial sum over heads; Megatron's
+    f on the weight (identity forward, gradient all-reduced over `tp_group`, set by the "tp" layout) gives
+    every rank the full one."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6):
+        super().__init__(head_dim, eps=eps)
+        self.tp_group = None  # set by the "tp" layout (sharding.py); None = one device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.copy_to_tp_region(self.weight, self.tp_group) * self.normalize(x)
+
+
 class LinearAttention(nn.Module):
     """Causal linear attention with SiLU feature map, per-head output RMSNorm and output gate; optional
     per-head decay. Parameter names follow Llama's attention (q_proj, k_proj, v_proj, o_proj) plus the
@@ -219,7 +239,10 @@ class LinearAttention(nn.Module):
     def __init__(self, config: ZooLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
+        # Local head counts and the first local head: the "tp" layout (sharding.py) keeps a rank's heads.
+        # Every head has its own keys and values (no grouping): num_key_value_heads = num_heads.
+        self.num_heads = self.num_key_value_heads = config.num_attention_heads
+        self.first_head = 0
         self.head_dim = config.head_dim
         self.chunk_size = config.chunk_size
         self.decay = config.decay
@@ -229,7 +252,7 @@ class LinearAttention(nn.Module):
         self.v_proj = nn.Linear(d, inner, bias=bias)
         self.g_proj = nn.Linear(d, inner, bias=bias)
         self.o_proj = nn.Linear(inner, d, bias=bias)
-        self.o_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm = HeadNorm(self.head_dim, eps=config.rms_norm_eps)
         if self.decay == "learned":
             # log lambda = logsigmoid(decay_logits): always < 0, so the state never grows without bound.
             self.decay_logits = nn.Parameter(learned_decay_init(self.num_heads).float())
@@ -246,6 +269,10 @@ class LinearAttention(nn.Module):
         # Set by the "sp" layout (sharding.py); None = one device.
         self.sp_group = None
         self.sp_method = config.sp_method
+
+    def heads(self) -> slice:
+        """This module's heads among the layer's num_attention_heads (all of them but under TP)."""
+        return slice(self.first_head, self.first_head + self.num_heads)
 
     def log_decay(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """log lambda_h [H] (<= 0), or None without decay. A fixed decay in promote_types(dtype, fp32) (the
@@ -338,11 +365,17 @@ class ZooLinearPreTrainedModel(ZooPreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, LinearAttention) and module.decay == "learned":
-            init.copy_(module.decay_logits, learned_decay_init(module.num_heads))
-        elif isinstance(module, LinearAttention) and module.decay != "none":
-            values = fixed_log_decay(module.decay, module.num_heads, module.layer_idx, module.num_layers)
-            init.copy_(module.fixed_log_decay_bits, values.view(torch.int64))
+        if not isinstance(module, LinearAttention) or module.decay == "none":
+            return
+        # The values of the module's own heads (a slice of them under TP: built on the meta device, sharded,
+        # then materialised).
+        heads = self.config.num_attention_heads
+        if module.decay == "learned":
+            init.copy_(module.decay_logits, learned_decay_init(heads)[module.heads()])
+        else:
+            values = fixed_log_decay(module.decay, heads, module.layer_idx, module.num_layers)[module.heads()]
+            init.copy_(module.fixed_log_decay_bits, values.contiguous().view(torch.int64))
+
 
 class ZooLinearModel(ZooLinearPreTrainedModel, ResidualSchedule, ZooDecoderModel):
     def __init__(self, config):
