@@ -6,8 +6,9 @@ Families (`predict.families` in conf/tour.yaml):
 - `kind: generation`: one eval.bench run per architecture (`archs=[<arch>]`, timed apart, so each row carries the
   seconds its prediction took), generation at prompt 1024, 512 new tokens, batch 1 and 16; speed-up = tokens/s over
   the family baseline's at the same degrees, link and batch (prefill and decode step apart too).
-- `kind: sequence_parallel`: linear attention has no tensor-parallel layout and does not decode under sequence
-  parallelism (one device decodes), so what the simulator predicts for it is its training step under SP: eval.bench's
+- `kind: sequence_parallel`: linear attention's own layout is sequence parallelism (its tensor-parallel layout is
+  Llama's, nothing hidden), and it does not decode under SP (one device decodes), so what the simulator predicts for
+  it is its training step under SP: eval.bench's
   sequence_parallel section, forward + backward per layer at N tokens over P ranks, of each layer type by the zoo's
   schedule (LASP-2 / LASP-2H) against the baselines' (LASP-1 / ring attention); an architecture's step is the sum
   over its layer pattern (linear "L", the hybrid "LLLN").

@@ -98,11 +98,11 @@ def glance_lines(cfg: DictConfig, g_rows: list[dict], predicted: dict | None) ->
             f"the Ladder paper's 70B table, every collective to the link model; as reports/at-scale, the same numbers "
             f"on any machine), with the settings of the commands below (conf/tour.yaml `predict`). Generation rows: "
             f"tokens/s of the whole generation (prefill + decode; by default prompt 1024, 512 new tokens, a static KV "
-            f"cache) over `speed against`'s, at the degree and link of `predicted at`. Linear attention has no "
-            f"tensor-parallel layout and does not decode under sequence parallelism (one device decodes), so its rows "
-            f"are a training step under SP (forward + backward over its layer pattern, L linear, N softmax) by the "
-            f"zoo's schedule (LASP-2, LASP-2H) over the baselines' (LASP-1, ring attention), batch 1. **predicted "
-            f"in**: the seconds its prediction took on this machine.",
+            f"cache) over `speed against`'s, at the degree and link of `predicted at`. Linear attention's own layout "
+            f"is sequence parallelism (its tensor-parallel one is Llama's) and it does not decode under SP (one "
+            f"device decodes), so its rows are a training step under SP (forward + backward over its layer pattern, "
+            f"L linear, N softmax) by the zoo's schedule (LASP-2, LASP-2H) over the baselines' (LASP-1, ring "
+            f"attention), batch 1. **predicted in**: the seconds its prediction took on this machine.",
             "",
         ]
     lines += [report.write_markdown_table(g_rows, list(g_rows[0])), ""]
