@@ -1,8 +1,9 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
 from models.checkpoint import apply_special_tokens, save_checkpoint
+from models.common.residual import ladder_converter
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
-from models.gqla.convert import GQLA_TO_LADDER, LLAMA_TO_GQLA
+from models.gqla.convert import LLAMA_TO_GQLA
 from models.kraken import ZooKrakenConfig, ZooKrakenForCausalLM, ZooKrakenModel
 from models.ladder import ZooLadderConfig, ZooLadderForCausalLM, ZooLadderModel
 from models.ladder.convert import LLAMA_TO_LADDER
@@ -25,6 +26,7 @@ from models.registry import (
     get_converter,
     register,
     register_converter,
+    variants,
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
 from models.scmoe.convert import LLAMA_TO_SCMOE
@@ -150,8 +152,14 @@ register_converter(LLAMA_TO_MOE)
 register_converter(LLAMA_TO_SCMOE)
 # TransGQLA: RoRoPE + joint low-rank [K_nope, V] of a GQA Llama (models/gqla/convert.py).
 register_converter(LLAMA_TO_GQLA)
-# The ladder residual schedule on a trained GQLA: the same weights (models/common/residual.py).
-register_converter(GQLA_TO_LADDER)
+# The ladder residual schedule on a trained checkpoint of each architecture that takes it (<name>_to_ladder, the
+# same weights; models/common/residual.py); one per config class (linear and linear_hybrid share theirs).
+_laddered = {}  # config class -> the first entry of it
+for _entry in ZOO.values():
+    if "ladder" in _entry.residuals:
+        _laddered.setdefault(_entry.config_class, _entry)
+for _entry in _laddered.values():
+    register_converter(ladder_converter(_entry.name, _entry.model_class))
 # Out to stock transformers classes (llama -> LlamaForCausalLM, moe -> MixtralForCausalLM, gqla at one group per
 # head -> DeepseekV3ForCausalLM): `models.export_stock(model, out_dir)`, `converter=export_stock` (registers itself).
 from models.stock_export import EXPORT_STOCK, export_stock, to_stock  # noqa: E402
@@ -174,4 +182,5 @@ __all__ = [
     "register_converter",
     "save_checkpoint",
     "to_stock",
+    "variants",
 ]

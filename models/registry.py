@@ -15,9 +15,16 @@ architecture's own folder (`sharding.py`, `entry.py`), so that no shared code na
   zero-computation experts), its experts in words with the FFN experts a token runs at the balanced load, as
   reports quote it.
 
+An architecture whose config has the `residual` field takes the ladder residual schedule (models/common/
+residual.py): that field is its opt-in, and `entry.residuals` lists the schedules. Its ladder variant is named
+`<name>_ladder` ("gqla_ladder"): `get` resolves the name to the same classes with the schedule set (`variant`), so
+the bench, the tests and the planner take it wherever they take an architecture's name; `variants()` names them.
+They are not in `ZOO`, whose entries are the architectures.
+
 `CONVERTERS` maps a converter name to how `train.convert` turns one kind of checkpoint into another.
 """
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +70,13 @@ class ZooEntry:
     def degrees(self) -> tuple[str, ...]:
         """Mesh dimensions the architecture shards over ("tp", "ep", "sp"): what `parallelize` applies."""
         return tuple(getattr(self.model_class, "shard_plan", None) or ())
+
+    @property
+    def residuals(self) -> tuple[str, ...]:
+        """The residual schedules its config takes: ("standard", "ladder") where the config has the `residual`
+        field (models/common/residual.py), else ("standard",)."""
+        fields = {f.name for f in dataclasses.fields(self.config_class)}
+        return ("standard", "ladder") if "residual" in fields else ("standard",)
 
     def check_layout(self, config: PreTrainedConfig, degrees: dict[str, int]) -> None:
         """One clear error if `config` cannot be sharded at `degrees` ({"tp": 2}), before building anything."""
@@ -131,10 +145,47 @@ def entry_for(model_type: str | None) -> ZooEntry | None:
     return next((entry for entry in ZOO.values() if entry.config_class.model_type == model_type), None)
 
 
+LADDER_SUFFIX = "_ladder"
+
+
+def variants() -> list[str]:
+    """The names of the architectures' ladder variants (`<name>_ladder`), in `ZOO`'s order."""
+    return [name + LADDER_SUFFIX for name, entry in ZOO.items() if "ladder" in entry.residuals]
+
+
+def variant(entry: ZooEntry) -> ZooEntry:
+    """`entry` under the ladder schedule, named `<name>_ladder`. Its tiny config ladders the upper half of the
+    layers (laddered and standard layers both run, as in the tiny ladder); its bench config every layer (the
+    paper's Ladder Transformer at scale) unless the bench's overrides say otherwise."""
+    bench = entry.bench_config
+
+    def bench_config(shape: dict, degrees: dict[str, int], **overrides) -> PreTrainedConfig:
+        return bench(shape, degrees, **{"residual": "ladder", **overrides})
+
+    half = entry.tiny_config["num_hidden_layers"] // 2
+    return dataclasses.replace(
+        entry,
+        name=entry.name + LADDER_SUFFIX,
+        tiny_config={**entry.tiny_config, "residual": "ladder", "ladder_layers": half},
+        bench_config=None if bench is None else bench_config,
+    )
+
+
 def get(name: str) -> ZooEntry:
-    if name not in ZOO:
-        raise ValueError(f"Unknown architecture {name!r}; the zoo has: {', '.join(sorted(ZOO))}.")
-    return ZOO[name]
+    """The registry entry of architecture `name`, or of its ladder variant (`<name>_ladder`)."""
+    if name in ZOO:
+        return ZOO[name]
+    base = name.removesuffix(LADDER_SUFFIX)
+    if name.endswith(LADDER_SUFFIX) and base in ZOO and "ladder" in ZOO[base].residuals:
+        return variant(ZOO[base])
+    known = ", ".join(sorted(ZOO))
+    if name.endswith(LADDER_SUFFIX) and base in ZOO:
+        why = getattr(ZOO[base].config_class, "residual_refusal", "")
+        raise ValueError(
+            f"Unknown architecture {name!r}: {base} takes no ladder residual schedule. {why} The ladder variants "
+            f"are {', '.join(variants())}."
+        )
+    raise ValueError(f"Unknown architecture {name!r}; the zoo has: {known} (and the ladder variants {', '.join(variants())}).")
 
 
 def build_config(name: str, **kwargs) -> PreTrainedConfig:

@@ -43,28 +43,37 @@ FULL_REISSUED = {
     "moepp": {"exchange_splits": 4, "all_to_all": 8, "all_reduce": 4},
     "linear": {"all_gather": 4},
     "linear_hybrid": {"all_gather": 5},
+    "gqla_ladder": {"all_reduce": 4},
+    "moe_ladder": {"exchange_splits": 1, "all_to_all": 2, "all_reduce": 1},
+    "moepp_ladder": {"exchange_splits": 2, "all_to_all": 4, "all_reduce": 2},
+    "linear_ladder": {"all_gather": 4},
+    "linear_hybrid_ladder": {"all_gather": 5},
 }
 # Why: llama, gqla re-issue both all-reduces of each layer; parallel its one per layer; ladder those of its 2
 # standard layers (the laddered ones wait in run_layers, outside units); kraken none (all in run_layers); moe the
 # count exchange, dispatch, combine and balance loss of its 2 MoE layers; scmoe `dispatch_shortcut`'s counts,
 # dispatch and balance loss (the combine is the trunk's); linear LASP-2's state all-gather per layer;
-# linear_hybrid its 3 LASP-2 layers and LASP-2H's K and V.
+# linear_hybrid its 3 LASP-2 layers and LASP-2H's K and V. The ladder variants (upper 2 of 4 layers laddered) as ladder:
+# their standard layers' collectives only (gqla_ladder 2 layers x 2 all-reduces; moe_ladder its one standard MoE
+# layer, moepp_ladder its two), since a laddered layer's last collective is issued by the schedule outside the units
+# and an MoE block's `issue` is no unit (so full AC keeps a laddered MoE block's activations); linear's all-gathers
+# sit inside the mixers, which are units under either schedule.
 
 ATOL = 1e-6
 COMPILE_ATOL = 1e-5
-ARCHS = sorted(models.ZOO)
+ARCHS = sorted(models.ZOO) + models.variants()  # the ladder variants through their registry entries
 
 
 def degree_2(name: str) -> dict[str, int]:
     """The dimension an architecture is built to shard over, at degree 2: ep for the MoE family (whose
     layouts also have tp), else its only one (tp, or sp for linear attention)."""
-    dims = models.ZOO[name].degrees
+    dims = models.get(name).degrees
     return {"ep" if "ep" in dims else dims[0]: 2}
 
 
 def build(name: str, degrees: dict[str, int], **overrides):
     torch.manual_seed(0)
-    entry = models.ZOO[name]
+    entry = models.get(name)
     return entry.model_class(entry.tiny_at(degrees, **overrides)).train()
 
 

@@ -36,7 +36,7 @@ ATOL = 1e-5
 # float64 models route and combine in float64 (models/common/moe.py `routing_dtype`): only the summation
 # order differs.
 ATOL_FP64 = 1e-10
-EP_ARCHS = sorted(name for name, e in models.ZOO.items() if "ep" in e.degrees)
+EP_ARCHS = [name for name in sorted(models.ZOO) + models.variants() if "ep" in models.get(name).degrees]
 # A large balance-loss weight, so that a wrong scale of its gradient under ep is far above atol.
 AUX = dict(router_aux_loss_coef=0.5)
 # Every query and KV head split over tp.
@@ -49,7 +49,7 @@ def shapes_at(degrees: dict[str, int]) -> dict:
 
 
 def fits(name: str, degrees: dict[str, int]) -> bool:
-    entry = models.ZOO[name]
+    entry = models.get(name)
     try:
         entry.check_layout(entry.tiny_at(degrees, **shapes_at(degrees)), degrees)
     except ValueError:
@@ -64,7 +64,7 @@ def archs_at(degrees: dict[str, int]) -> list[str]:
 def build(name: str, degrees: dict[str, int], **overrides):
     """The tiny `name` in training mode, as it runs at `degrees`, the same weights on every rank."""
     torch.manual_seed(0)
-    entry = models.ZOO[name]
+    entry = models.get(name)
     return entry.model_class(entry.tiny_at(degrees, **shapes_at(degrees), **overrides)).train()
 
 
@@ -217,7 +217,7 @@ def count_one_forward(mesh, name: str) -> tuple[int, int]:
     ep, group = mesh["ep"].size(), mesh.get_group("ep")
     model = parallel.parallelize(build(name, {"ep": ep}).eval(), mesh)
     routed = count_routed_rows(model)
-    declared = models.ZOO[name].collectives_per_forward(model.config, {"ep": ep})
+    declared = models.get(name).collectives_per_forward(model.config, {"ep": ep})
     comm.reset_counters()
     with torch.no_grad():
         model(ids_of(2, 8, seed=1))
@@ -343,7 +343,7 @@ def _none_and_simulated(name, mesh):
     blocks = moe_blocks(model)
     assert all(b.experts.gate_proj.shape[0] == b.experts.num_experts // ep for b in blocks)
     routed = count_routed_rows(model)
-    declared = models.ZOO[name].collectives_per_forward(model.config, {"ep": ep})
+    declared = models.get(name).collectives_per_forward(model.config, {"ep": ep})
     ids = ids_of(2, 8, seed=1)
     comm.reset_counters()
     with comm.use_mode("none"), torch.no_grad():

@@ -115,7 +115,7 @@ def _compare(rank: int, world_size: int, name: str, degrees: dict[str, int]) -> 
     assert all(s <= r for s, r in zip(held["sharded"], held["replicated"], strict=True)), f"{name}: {held}"
 
 
-ARCHS = sorted(models.ZOO)
+ARCHS = sorted(models.ZOO) + models.variants()  # the ladder variants through their registry entries
 FAST = {"llama", "moe"}
 
 

@@ -15,13 +15,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, Logi
 import models
 from train.data import load_tokenizer
 
-ARCHS = sorted(models.ZOO)
+ARCHS = sorted(models.ZOO) + models.variants()  # the ladder variants through their registry entries
 ATOL = 1e-5
 
 
 def tiny_model(name: str, **overrides):
     torch.manual_seed(0)
-    model = models.ZOO[name].model_class(models.ZOO[name].tiny(**overrides))
+    model = models.get(name).model_class(models.get(name).tiny(**overrides))
     return model.eval()
 
 
@@ -32,7 +32,7 @@ def tokens(batch: int, length: int, vocab: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_registered_with_auto_classes(name):
-    entry = models.ZOO[name]
+    entry = models.get(name)
     config = entry.tiny()
     assert isinstance(AutoConfig.for_model(config.model_type), entry.config_class)
     assert type(AutoModelForCausalLM.from_config(config)) is entry.model_class

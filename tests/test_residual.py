@@ -1,14 +1,15 @@
-"""The ladder residual schedule as an architecture's config field (models/common/residual.py), on GQLA.
+"""The ladder residual schedule as an architecture's config field (models/common/residual.py), for every architecture
+that takes it (the registry's `<name>_ladder` variants; the harnesses test_models, test_tp, test_ep, test_static_cache,
+test_fsdp and test_activation_checkpointing run each variant as an architecture of its own):
 
-- `residual='ladder', ladder_layers=0` is the standard architecture exactly;
-- every layer laddered equals an independent per-layer reference of the schedule's two equations (fp64);
-- cached decode == the full forward (both GQLA decode paths);
-- TP 2 == TP 1 under the ladder schedule: logits, every gradient, cached decode (fp32 atol 1e-5);
-- bad values and the stock export are refused in one line;
-- `train.convert converter=gqla_to_ladder` keeps the weights and changes the schedule.
+- `residual='ladder', ladder_layers=0` is the standard architecture exactly (logits, and the loss with the balance
+  loss in training mode);
+- every layer laddered equals an independent per-layer reference of the schedule's two equations (fp64 1e-10);
+- TP 2 == one device in float64 (1e-10; the TP harness checks fp32 1e-5, the EP harness fp32 and float64);
+- bad values are refused in one line, and so are the architectures that do not take the schedule, with why;
+- `train.convert converter=<name>_to_ladder` keeps the weights and changes the schedule.
 """
 
-import math
 from pathlib import Path
 
 import pytest
@@ -20,98 +21,99 @@ from models.gqla.stock import check_exportable
 from tests.distributed import run_ranks
 from tests.test_tp import TP4, local_slice
 
-ENTRY = models.ZOO["gqla"]
+LADDERED = [name.removesuffix("_ladder") for name in models.variants()]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(tp: int = 1, dtype=torch.float32, **overrides):
+def build(name: str = "gqla", tp: int = 1, dtype=torch.float32, **overrides):
     torch.manual_seed(0)
-    return ENTRY.model_class(ENTRY.tiny_at({"tp": tp}, **TP4, **overrides)).to(dtype).eval()
+    entry = models.get(name)
+    shapes = TP4 if tp > 1 else {}
+    return entry.model_class(entry.tiny_at({"tp": tp}, **shapes, **overrides)).to(dtype).eval()
 
 
 def ids(batch=2, length=10, seed=1):
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@torch.no_grad()
-def decoded_in_steps(model, x, prompt: int = 7) -> torch.Tensor:
-    """Logits of a prefill of `prompt` tokens, then one cached decode step per remaining token, concatenated."""
-    step = model(x[:, :prompt], use_cache=True)
-    pieces, cache = [step.logits], step.cache
-    for t in range(prompt, x.shape[1]):
-        step = model(x[:, t : t + 1], cache=cache, use_cache=True)
-        pieces.append(step.logits)
-    return torch.cat(pieces, 1)
+def test_every_architecture_with_the_residual_field_has_a_ladder_variant():
+    assert set(LADDERED) == {"gqla", "moe", "moepp", "linear", "linear_hybrid"}
+    assert {c.name for c in models.CONVERTERS.values() if c.name.endswith("_to_ladder")} >= {
+        "gqla_to_ladder", "moe_to_ladder", "moepp_to_ladder", "linear_to_ladder"}
 
 
-def test_ladder_layers_0_is_the_standard_architecture_exactly():
-    standard, ladder = build(), build(residual="ladder", ladder_layers=0)
+@pytest.mark.parametrize("name", LADDERED)
+def test_ladder_layers_0_is_the_standard_architecture_exactly(name):
+    standard, ladder = build(name), build(name, residual="ladder", ladder_layers=0)
     ladder.load_state_dict(standard.state_dict())
     x = ids()
     assert torch.equal(ladder(x).logits, standard(x).logits)
-    assert build(residual="ladder").config.ladder_layers == ENTRY.tiny_config["num_hidden_layers"]
+    a, b = standard.train()(x, labels=x), ladder.train()(x, labels=x)
+    assert torch.equal(a.loss, b.loss)  # an MoE's balance loss included
+    assert build(name, residual="ladder").config.ladder_layers == models.get(name).tiny_config["num_hidden_layers"]
 
 
 def _reference_run_layers(trunk):
     """The spec's two equations per laddered layer, written from the layer's modules (not models/common/residual):
-    x = x + a_prev; a = Attn(LN1(x)); x = x + m_prev; m = MLP(LN2(x)); after the last layer x + a + m."""
+    x = x + a_prev; a = Attn(LN1(x)); x = x + m_prev; m = MLP(LN2(x)); after the last layer x + a + m. An MoE
+    layer's MLP is its experts' block (output, aux); MoE++'s also reads the previous layer's router logits."""
 
     def run_layers(hidden_states, position_embeddings, attention_mask, cache):
-        x, a_prev, m_prev = hidden_states, 0, 0
+        x, a_prev, m_prev, logits = hidden_states, 0, 0, None
         for layer in trunk.layers:
             x = x + a_prev
             a_prev = layer.self_attn(layer.input_layernorm(x), position_embeddings, attention_mask, cache)
             x = x + m_prev
-            m_prev = layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if layer.passes_down:  # MoE++: [T, d] rows, the router logits passed on
+                out, logits, _ = layer.mlp(h.flatten(0, 1), logits)
+                m_prev = out.view_as(h)
+            elif getattr(layer, "is_moe", False):
+                m_prev = layer.mlp(h)[0]
+            else:
+                m_prev = layer.mlp(h)
         return x + a_prev + m_prev
 
     return run_layers
 
 
-@pytest.mark.parametrize("path", ["absorb", "gqa"])
-def test_every_layer_laddered_equals_the_per_layer_reference(path):
-    ladder = build(dtype=torch.float64, residual="ladder", attn_path=path)
-    reference = build(dtype=torch.float64, attn_path=path)
+PATHS = [("gqla", "absorb"), ("gqla", "gqa")] + [(name, None) for name in LADDERED if name != "gqla"]
+
+
+@pytest.mark.parametrize(("name", "path"), PATHS, ids=[f"{n}-{p}" if p else n for n, p in PATHS])
+def test_every_layer_laddered_equals_the_per_layer_reference(name, path):
+    options = {"attn_path": path} if path else {}
+    ladder = build(name, dtype=torch.float64, residual="ladder", **options)
+    reference = build(name, dtype=torch.float64, **options)
     reference.load_state_dict(ladder.state_dict())
     reference.model.run_layers = _reference_run_layers(reference.model)
     x = ids()
     got, want = ladder(x).logits, reference(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     # ... and it is a different function from the standard block's (the schedule changes what a layer reads)
-    assert (got - build(dtype=torch.float64, attn_path=path)(x).logits).abs().max() > 1e-4
+    assert (got - build(name, dtype=torch.float64, **options)(x).logits).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("path", ["absorb", "gqa"])
-def test_cached_decode_equals_the_full_forward(path):
-    model, x = build(residual="ladder", ladder_layers=2, attn_path=path), ids(length=12)
-    with torch.no_grad():
-        full = model(x, use_cache=False).logits
-    torch.testing.assert_close(decoded_in_steps(model, x), full, rtol=0, atol=1e-5)
-
-
-def _tp_equals_one_device(rank, world_size):
+def _tp_float64(rank, world_size, names):
     mesh = parallel.init_mesh(tp=world_size)
     x = ids(length=12)
-    for ladder_layers in (None, 2):
-        options = dict(residual="ladder", ladder_layers=ladder_layers, attn_path="gqa")
-        reference, sharded = build(world_size, **options), build(world_size, **options)
+    for name in names:
+        reference, sharded = build(name, world_size, torch.float64), build(name, world_size, torch.float64)
         parallel.parallelize(sharded, mesh)
         assert not sharded.model.runs_layers_whole  # FSDP units and AC regions are the sub-blocks' modules
-        ref_out, out = reference(x, labels=x), sharded(x, labels=x)
-        ref_out.loss.backward()
-        out.loss.backward()
-        torch.testing.assert_close(out.logits, ref_out.logits, rtol=0, atol=1e-5)
+        ref_logits, logits = reference(x).logits, sharded(x).logits
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        (ref_logits * weights).sum().backward()
+        (logits * weights).sum().backward()
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
         ref_params = dict(reference.named_parameters())
-        for name, p in sharded.named_parameters():
-            expected = local_slice(ref_params[name].grad, p.grad, rank, world_size)
-            torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-        with torch.no_grad():
-            full = reference(x, use_cache=False).logits
-        torch.testing.assert_close(decoded_in_steps(sharded, x), full, rtol=0, atol=1e-5)
+        for pname, p in sharded.named_parameters():
+            expected = local_slice(ref_params[pname].grad, p.grad, rank, world_size)
+            torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-10, msg=lambda m, n=f"{name} {pname}": f"{n}: {m}")
 
 
-def test_tp2_equals_one_device_under_the_ladder_schedule():
-    run_ranks(_tp_equals_one_device, 2)
+def test_tp2_equals_one_device_in_float64_under_the_ladder_schedule():
+    run_ranks(_tp_float64, 2, [v for v in models.variants() if "tp" in models.get(v).degrees])
 
 
 def test_bad_values_and_the_stock_export_are_refused_in_one_line():
@@ -124,6 +126,8 @@ def test_bad_values_and_the_stock_export_are_refused_in_one_line():
     config = build(residual="ladder", kv_a_layernorm=True, rms_norm_eps=1e-6).config  # one group per head
     with pytest.raises(ValueError, match=r"residual='ladder': DeepSeek's layers add each sub-block's output at once"):
         check_exportable(config)
+    with pytest.raises(ValueError, match=r"residual='ladder'"):  # Mixtral adds each sub-block's output at once
+        models.to_stock(build("moe_ladder"))
 
 
 def test_gqla_to_ladder_keeps_the_weights_and_changes_the_schedule(tmp_path):
@@ -155,65 +159,30 @@ def test_gqla_to_ladder_keeps_the_weights_and_changes_the_schedule(tmp_path):
         models.get_converter("gqla_to_ladder").convert(llama, ladder_layers=2)
 
 
-# --- the ladder schedule on an MoE: the combine all-to-all of layer i's experts waited after layer i+1's attention
+@pytest.mark.parametrize("name", ["llama", "parallel", "ladder", "kraken", "scmoe"])
+def test_architectures_without_the_schedule_refuse_it_and_say_why(name):
+    why = models.get(name).config_class.residual_refusal
+    assert len(why) > 40
+    with pytest.raises(ValueError, match=r"has no field 'residual': it takes no other residual schedule\. " + why[:30]):
+        models.get(name).tiny(residual="ladder")
+    if name != "ladder":
+        with pytest.raises(ValueError, match=rf"Unknown architecture '{name}_ladder': {name} takes no ladder residual"):
+            models.get(f"{name}_ladder")
 
 
-MOE = models.ZOO["moe"]
-
-
-def build_moe(degrees=None, dtype=torch.float32, **overrides):
-    torch.manual_seed(0)
-    return MOE.model_class(MOE.tiny_at(degrees or {}, **overrides)).to(dtype)
-
-
-def _moe_reference_run_layers(trunk):
-    """The two equations per laddered layer, an MoE layer's MLP being its experts' block (not residual.py)."""
-
-    def run_layers(hidden_states, position_embeddings, attention_mask, cache):
-        x, a_prev, m_prev = hidden_states, 0, 0
-        for layer in trunk.layers:
-            x = x + a_prev
-            a_prev = layer.self_attn(layer.input_layernorm(x), position_embeddings, attention_mask, cache)
-            x = x + m_prev
-            h = layer.post_attention_layernorm(x)
-            m_prev = layer.mlp(h)[0] if layer.is_moe else layer.mlp(h)
-        return x + a_prev + m_prev
-
-    return run_layers
-
-
-def test_moe_ladder_layers_0_is_moe_exactly_and_every_layer_is_the_reference():
+@pytest.mark.parametrize("name", [n for n in LADDERED if n not in ("gqla", "linear_hybrid")])
+def test_to_ladder_converter_keeps_the_weights(name, tmp_path):
+    """`<name>_to_ladder` on a saved standard checkpoint: the same tensors, the schedule set, the function that of
+    a model built under the ladder schedule with those weights."""
+    standard = build(name)
+    standard.save_pretrained(tmp_path)
+    converter = models.get_converter(f"{name}_to_ladder")
+    converter.check(tmp_path, ladder_layers=2)
+    converted = converter.convert(tmp_path, ladder_layers=2).eval()
+    assert converter.summary(converted)["residual"] == "ladder" and converted.config.ladder_layers == 2
+    assert all(torch.equal(t, standard.state_dict()[k]) for k, t in converted.state_dict().items())
+    rebuilt = build(name, residual="ladder", ladder_layers=2)
+    rebuilt.load_state_dict(standard.state_dict())
     x = ids()
-    standard, none_laddered = build_moe(), build_moe(residual="ladder", ladder_layers=0)
-    none_laddered.load_state_dict(standard.state_dict())
-    a, b = standard.train()(x, labels=x), none_laddered.train()(x, labels=x)
-    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)  # the balance loss included
+    torch.testing.assert_close(converted(x).logits, rebuilt(x).logits, rtol=0, atol=0)
 
-    ladder = build_moe(dtype=torch.float64, residual="ladder").eval()
-    reference = build_moe(dtype=torch.float64).eval()
-    reference.load_state_dict(ladder.state_dict())
-    reference.model.run_layers = _moe_reference_run_layers(reference.model)
-    torch.testing.assert_close(ladder(x).logits, reference(x).logits, rtol=0, atol=1e-10)
-
-
-def test_moe_ladder_cached_decode_equals_the_full_forward():
-    model, x = build_moe(residual="ladder", ladder_layers=2).eval(), ids(length=12)
-    with torch.no_grad():
-        full = model(x, use_cache=False).logits
-    torch.testing.assert_close(decoded_in_steps(model, x), full, rtol=0, atol=1e-5)
-
-
-def _moe_ladder_sharded(rank, world_size, degrees):
-    from tests.test_ep import check_equivalence
-
-    mesh = parallel.init_mesh(**degrees)
-    for ladder_layers in (None, 1):
-        check_equivalence(mesh, "moe", residual="ladder", ladder_layers=ladder_layers, router_aux_loss_coef=0.5)
-    check_equivalence(mesh, "moe", dtype=torch.float64, residual="ladder")
-
-
-@pytest.mark.parametrize("degrees", [{"ep": 2}, {"ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
-def test_moe_ladder_sharded_equals_one_process(degrees):
-    """EP 2 and EP 2 x TP 2 == one process on the whole batch: logits, loss with the balance loss, every gradient
-    (fp32 atol 1e-5; float64 1e-10), tests/test_ep.py's check with the ladder schedule."""
-    run_ranks(_moe_ladder_sharded, math.prod(degrees.values()), degrees)

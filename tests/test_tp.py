@@ -17,7 +17,7 @@ from parallel.state import (
 from tests.distributed import run_ranks
 
 ATOL = 1e-5
-TP_ARCHS = sorted(name for name, e in models.ZOO.items() if "tp" in e.degrees)
+TP_ARCHS = [name for name in sorted(models.ZOO) + models.variants() if "tp" in models.get(name).degrees]
 # Shapes every TP degree up to 4 divides.
 TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
 
@@ -25,7 +25,7 @@ TP4 = dict(num_attention_heads=4, num_key_value_heads=4)
 def build(name: str, tp: int, **overrides):
     """The tiny `name` as it runs at TP degree `tp` (its entry's fit_degrees, e.g. one Kraken stream per rank)."""
     torch.manual_seed(0)
-    return models.ZOO[name].model_class(models.ZOO[name].tiny_at({"tp": tp}, **TP4, **overrides)).eval()
+    return models.get(name).model_class(models.get(name).tiny_at({"tp": tp}, **TP4, **overrides)).eval()
 
 
 def local_slice(reference: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _count_collectives(rank, world_size, names):
 def _count_one(mesh, name):
     """The counters of one forward match what the architecture's entry declares (collectives_per_forward)."""
     model = parallel.parallelize(build(name, mesh.size()), mesh)
-    declared = models.ZOO[name].collectives_per_forward(model.config, {"tp": mesh.size()})
+    declared = models.get(name).collectives_per_forward(model.config, {"tp": mesh.size()})
     ids = torch.randint(0, 256, (2, 8))
     comm.reset_counters()
     with torch.no_grad():

@@ -35,6 +35,9 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
     and order among the layer's modules.
     """
 
+    # Whether the layer takes a value from the previous layer and passes one on (models/common/residual.py).
+    passes_down = False
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.self_attn = Attention.from_config(config, layer_idx)

@@ -19,12 +19,16 @@ An architecture takes the schedule as a config field, `residual: standard | ladd
 by `check_residual`, and its trunk class `ResidualSchedule` (which picks the schedule in `run_layers`). A layer the
 ladder schedule runs has two sub-blocks, `attention_block(x, position_embeddings, attention_mask,
 cache)` and `mlp_block(x)`, each returning its output before its reduction, and `tp_group` (the all-reduce's group;
-None on one device).
+None on one device). A layer whose MLP reads a value the previous layer passes down (MoE++'s router logits, its
+gating residual) says so with `passes_down = True`: it takes that value (None at the first layer) as the last
+argument of `forward` and of `mlp_in_flight`, and returns the value to pass on as the last element of their results.
 """
 
 import json
+from functools import partial
 from pathlib import Path
 
+from models.registry import Converter, config_summary
 from parallel import comm
 
 RESIDUALS = ("standard", "ladder")
@@ -83,30 +87,51 @@ def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddi
     The attention's collective is the TP all-reduce of its partial output; the MLP's is what the layer's
     `mlp_in_flight(x) -> (pending, aux)` issues (PreNormDecoderLayer: the TP all-reduce; an MoE layer: the combine
     all-to-all); `pending.wait()` gives the output to add. Aux dicts (MoE layers) are appended to `aux`."""
+    stack = _Stack(aux)
     x = hidden_states
     attn_pending = mlp_pending = None  # collectives in flight from the previous laddered layer
     for i, layer in enumerate(layers):
         if i not in laddered:
             x = _add(_add(x, attn_pending), mlp_pending)
             attn_pending = mlp_pending = None
-            x = _collect(layer(x, position_embeddings, attention_mask, cache), aux)
+            x = stack.call(layer, layer, x, position_embeddings, attention_mask, cache)
             continue
         x = _add(x, attn_pending)  # wait for layer i-1's attention output
         attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
         attn_pending = comm.all_reduce(attn_out, layer.tp_group)  # overlaps this layer's MLP
         x = _add(x, mlp_pending)  # wait for layer i-1's MLP output
-        mlp_pending = _collect(layer.mlp_in_flight(x), aux)  # overlaps the next attention
+        mlp_pending = stack.call(layer, layer.mlp_in_flight, x)  # overlaps the next attention
     return _add(_add(x, attn_pending), mlp_pending)
 
 
-def _collect(out, aux: list | None):
-    """`out`, or its first part where a layer returned (value, aux dict), the dict appended to `aux`."""
-    if not isinstance(out, tuple):
-        return out
-    value, extra = out
-    if aux is not None:
-        aux.append(extra)
-    return value
+def run_standard(layers, hidden_states, position_embeddings, attention_mask, cache, aux=None):
+    """The standard schedule: each layer whole (its forward waits its collectives at once)."""
+    stack = _Stack(aux)
+    for layer in layers:
+        hidden_states = stack.call(layer, layer, hidden_states, position_embeddings, attention_mask, cache)
+    return hidden_states
+
+
+class _Stack:
+    """What goes down the layers besides the residual stream: the aux dicts (appended to `aux`, which the trunk
+    pools) and the value a `passes_down` layer hands to the next."""
+
+    def __init__(self, aux: list | None):
+        self.aux, self.passed = aux, None
+
+    def call(self, layer, fn, *args):
+        """`fn(*args)` (the layer or one of its sub-blocks) with the passed-down value where the layer takes it;
+        returns its first result, the aux dict appended and the value to pass on kept."""
+        out = fn(*args, self.passed) if layer.passes_down else fn(*args)
+        if layer.passes_down:
+            *out, self.passed = out
+            out = tuple(out)
+        if not isinstance(out, tuple):
+            return out
+        value, extra = out
+        if self.aux is not None:
+            self.aux.append(extra)
+        return value
 
 
 def _add(x, pending: "comm.Handle | None"):
@@ -131,6 +156,25 @@ def check_to_ladder(config_class, source: str | Path, ladder_layers=None) -> Non
     config_class.from_pretrained(source, residual="ladder", ladder_layers=ladder_layers)
 
 
+def ladder_converter(name: str, model_class) -> Converter:
+    """`train.convert converter=<name>_to_ladder`: a checkpoint of architecture `name` (whose config has the
+    `residual` field) trained under the standard schedule, under the ladder one: the same weights, validation loss
+    before / after (/ retrained), as llama_to_ladder does for Llama."""
+    config_class = model_class.config_class
+    return Converter(
+        name=f"{name}_to_ladder",
+        source=name,
+        source_types=(config_class.model_type,),
+        source_title=name,
+        target=name,
+        target_title=f"{name} under the ladder residual schedule",
+        convert=partial(to_ladder, model_class),
+        options=("ladder_layers",),
+        check=partial(check_to_ladder, config_class),
+        summary=config_summary("residual", "ladder_layers", "num_hidden_layers"),
+    )
+
+
 class ResidualSchedule:
     """Trunk mixin (before ZooDecoderModel in the bases): `run_layers` under the config's `residual` schedule."""
 
@@ -148,6 +192,4 @@ class ResidualSchedule:
         if self.config.residual == "ladder":
             laddered = laddered_indices(self.config.ladder_layers, self.config.num_hidden_layers)
             return run_ladder(self.layers, laddered, hidden_states, position_embeddings, attention_mask, cache, aux)
-        for layer in self.layers:
-            hidden_states = _collect(layer(hidden_states, position_embeddings, attention_mask, cache), aux)
-        return hidden_states
+        return run_standard(self.layers, hidden_states, position_embeddings, attention_mask, cache, aux)

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from models.common.residual import check_to_ladder, to_ladder
 from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
 from models.llama.configuration import ZooLlamaConfig
@@ -249,18 +248,4 @@ LLAMA_TO_GQLA = Converter(
     check=check_options,
     summary=summary,
     calibration=DEFAULT_CALIBRATION_BATCHES,
-)
-
-# A GQLA trained under the standard residual schedule, under the ladder one: the same weights (models/common/residual.py).
-GQLA_TO_LADDER = Converter(
-    name="gqla_to_ladder",
-    source="gqla",
-    source_types=("zoo_gqla",),
-    source_title="GQLA",
-    target="gqla",
-    target_title="GQLA under the ladder residual schedule",
-    convert=partial(to_ladder, ZooGQLAForCausalLM),
-    options=("ladder_layers",),
-    check=partial(check_to_ladder, ZooGQLAConfig),
-    summary=config_summary("residual", "ladder_layers", "num_hidden_layers"),
 )

@@ -61,6 +61,12 @@ class ZooKrakenConfig(ZooLlamaConfig):
     # intermediate_size is one stream's MLP width here: validate() says so in its own error.
     size_fields = tuple(f for f in ZooLlamaConfig.size_fields if f != "intermediate_size")
 
+    residual_refusal = (
+        "Kraken has no sub-block collective left to defer: under TP each rank runs whole streams, so attention and "
+        "MLP need no all-reduce, and its one all-reduce per layer (the sum of the streams) is already issued before "
+        "the attention and waited at the MLP input, the ladder's idea built into the layer."
+    )
+
     kraken_degree: int = 2
     conjunction_init: str = "random"
 

@@ -15,6 +15,7 @@ from models.llama.configuration import ZooLlamaConfig
 
 class ZooLadderConfig(ZooLlamaConfig):
     model_type = "zoo_ladder"
+    residual_refusal = "Ladder is the dense Llama under the ladder schedule already: ladder_layers picks the laddered layers."
 
     # None (the default): every layer laddered, resolved to num_hidden_layers by `validate`.
     ladder_layers: int | list[int] | None = None

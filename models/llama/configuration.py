@@ -58,12 +58,24 @@ def known_fields(config_class) -> set[str]:
     return fields | aliases | generation | STANDARD_FIELDS
 
 
+# The fields of the residual schedule (models/common/residual.py), which an architecture opts into by declaring
+# `residual`; one that does not says why in its config class's `residual_refusal`.
+RESIDUAL_FIELDS = ("residual", "ladder_layers")
+
+
 def check_fields(config_class, names) -> None:
-    """One clear error naming each of `names` that `config_class` does not know, with the nearest known one."""
+    """One clear error naming each of `names` that `config_class` does not know, with the nearest known one
+    (the residual schedule's fields: the class's `residual_refusal`, why it does not take the schedule)."""
     known = known_fields(config_class)
     unknown = sorted(n for n in names if n not in known)
     if not unknown:
         return
+    schedule = [n for n in unknown if n in RESIDUAL_FIELDS]
+    if schedule:
+        raise ValueError(
+            f"{config_class.__name__} ({config_class.model_type}) has no field {schedule[0]!r}: it takes no other "
+            f"residual schedule. {config_class.residual_refusal}"
+        )
     hints = []
     for name in unknown:
         near = difflib.get_close_matches(name, sorted(known), n=1)
@@ -135,6 +147,11 @@ def without_fields_of_source(config_class, config_dict: dict) -> dict:
 class ZooLlamaConfig(LlamaConfig):
     model_type = "zoo_llama"
     size_fields = SIZE_FIELDS  # checked by `check_sizes` before transformers' __post_init__ (a class attribute)
+    # Why the architecture has no `residual` field, for `check_fields` (a class attribute, not a field).
+    residual_refusal = (
+        "The dense Llama under the ladder residual schedule is the `ladder` architecture (model=ladder, its "
+        "ladder_layers; converter=llama_to_ladder), which keeps Llama's checkpoints as they are."
+    )
 
     def __post_init__(self, **kwargs):
         # `kwargs` are the keywords that are not dataclass fields: the place where an unknown one shows.

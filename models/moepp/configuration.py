@@ -22,9 +22,13 @@ N = N_FFN + N_ZC experts:
 - `moe_dispatch` ("dropless", default, or "padded") and `dispatch_capacity_factor` (None: the padded
   capacity is every token, nothing dropped): how tokens reach the experts (models/common/moe_config.py;
   padded for decode under CUDA graphs / torch.compile, `model.set_moe_dispatch` switches at run time).
+- `residual` ("standard" | "ladder") with `ladder_layers`: the residual schedule (models/common/residual.py).
+  "ladder" waits each laddered layer's combine all-to-all (and attention all-reduce under TP) one sub-block
+  later; the router logits still go to the next layer's gating residual at once (they exist before the dispatch).
 """
 
 from models.common.moe_config import MoeConfigMixin, is_number
+from models.common.residual import check_residual
 from models.llama.configuration import ZooLlamaConfig
 
 
@@ -44,10 +48,13 @@ class ZooMoeppConfig(MoeConfigMixin, ZooLlamaConfig):
     experts_impl: str = "grouped_mm"
     moe_dispatch: str = "dropless"
     dispatch_capacity_factor: float | None = None
+    residual: str = "standard"
+    ladder_layers: int | list[int] | None = None
 
     def validate(self) -> None:
         # Runs at construction and again after from_pretrained's keyword overrides (see ZooLlamaConfig).
         super().validate()
+        self.ladder_layers = check_residual(self.residual, self.ladder_layers, self.num_hidden_layers)
         for name in ("num_zero_experts", "num_copy_experts", "num_constant_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

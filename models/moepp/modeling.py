@@ -48,6 +48,7 @@ from models.common.moe import (
     routing_dtype,
     take,
 )
+from models.common.residual import ResidualSchedule
 from models.common.values import has_values
 from models.moepp.configuration import ZooMoeppConfig
 from models.moepp.sharding import PLAN
@@ -137,6 +138,22 @@ class MoePlusPlus(nn.Module):
     def forward(self, x: torch.Tensor, previous_logits: torch.Tensor | None):
         """x: [T, d] (normed). Returns (output [T, d], this layer's router logits [T, N], balance loss or
         None outside training)."""
+        pending, zc_out, routing = self.dispatch_and_compute(x, previous_logits)  # the combine issued ...
+        out = pending.combine().to(zc_out.dtype) + zc_out  # ... and waited at once
+        return out.to(x.dtype), routing.logits, self.balance_loss(routing)
+
+    def issue(self, x: torch.Tensor, previous_logits: torch.Tensor | None, shape: torch.Size | None = None):
+        """`forward` with the combine all-to-all still in flight, for a schedule that waits it later (the ladder
+        residual schedule): (pending, logits, balance loss or None); `pending.wait()` gives the output, shaped
+        `shape` (default x's)."""
+        pending, zc_out, routing = self.dispatch_and_compute(x, previous_logits)
+        in_flight = MoeppInFlight(pending, zc_out, x.dtype, x.shape if shape is None else shape)
+        return in_flight, routing.logits, self.balance_loss(routing)
+
+    def dispatch_and_compute(self, x: torch.Tensor, previous_logits: torch.Tensor | None):
+        """Route (with the gating residual), dispatch the FFN experts' rows, compute the zero-computation experts
+        while the dispatch is in flight, run this rank's FFN experts and ISSUE the combine. Returns (pending
+        dispatch, the zero-computation output [T, d] in routing_dtype, the routing)."""
         num_tokens = x.shape[0]
         residual = None
         if self.gate_residual is not None and previous_logits is not None:
@@ -169,14 +186,16 @@ class MoePlusPlus(nn.Module):
             # The copy and constant experts run on this rank while the dispatch is in flight.
             zc_out = self.zero_computation(x, routing, keep & ~ffn, expected)
         pending.compute()  # waits the dispatch, runs this rank's experts, issues the combine
-        out = pending.combine().to(zc_out.dtype) + zc_out  # waits the combine
-        balance = None
-        if self.training and self.config.router_aux_loss_coef > 0:
-            # The heterogeneous loss: eta = 1 for FFN experts, tau for zero-computation ones.
-            ffn_expert = torch.arange(self.router.num_experts, device=x.device) < self.num_ffn
-            eta = torch.where(ffn_expert, 1.0, self.config.tau)
-            balance = load_balance_loss(routing.probs, expert_idx, self.router.num_experts, weights=eta, group=self.ep_group)
-        return out.to(x.dtype), routing.logits, balance
+        return pending, zc_out, routing
+
+    def balance_loss(self, routing: Routing) -> torch.Tensor | None:
+        """The heterogeneous balance loss of `routing` (eta = 1 for FFN experts, tau for zero-computation ones),
+        None outside training or with the loss off."""
+        if not (self.training and self.config.router_aux_loss_coef > 0):
+            return None
+        ffn_expert = torch.arange(self.router.num_experts, device=routing.probs.device) < self.num_ffn
+        eta = torch.where(ffn_expert, 1.0, self.config.tau)
+        return load_balance_loss(routing.probs, routing.expert_idx, self.router.num_experts, weights=eta, group=self.ep_group)
 
     def expected_assignments(self, num_tokens: int) -> dict[str, int]:
         """On the meta device (the speed simulator: no values to route by), how many of the layer's k T
@@ -232,20 +251,46 @@ class MoePlusPlus(nn.Module):
         return weighted.view(num_tokens, k, -1).sum(1)  # token-major: the k slots of each token, in order
 
 
+class MoeppInFlight:
+    """An MoE++ layer's output whose combine all-to-all is in flight: `wait()` waits it and adds the
+    zero-computation experts' output (computed on this rank), as x's dtype."""
+
+    def __init__(self, pending, zc_out: torch.Tensor, dtype: torch.dtype, shape: torch.Size):
+        self.pending, self.zc_out, self.dtype, self.shape = pending, zc_out, dtype, shape
+
+    def wait(self) -> torch.Tensor:
+        return (self.pending.combine().to(self.zc_out.dtype) + self.zc_out).to(self.dtype).view(self.shape)
+
+
 class MoeppDecoderLayer(PreNormDecoderLayer):
     """The shared pre-norm block with the MoE++ layer in place of the MLP; the router logits go in and out
-    (the gating residual)."""
+    (the gating residual: `passes_down`, models/common/residual.py)."""
+
+    passes_down = True
 
     def make_mlp(self, config: ZooMoeppConfig, layer_idx: int) -> MoePlusPlus:
         return MoePlusPlus(config, layer_idx)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache, previous_logits):
+        """Returns (hidden states, aux dict, this layer's router logits)."""
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
-        # The MoE++ layer is whole on every tp rank, so its output is complete: no all-reduce.
+        # The MoE++ layer is whole on every tp rank, so its output is complete: no all-reduce. Both all-to-alls
+        # are waited inside.
         x = self.post_attention_layernorm(hidden_states)
         moe_out, logits, balance = self.mlp(x.flatten(0, 1), previous_logits)
-        return hidden_states + moe_out.view_as(hidden_states), logits, balance
+        return hidden_states + moe_out.view_as(hidden_states), _aux(balance), logits
+
+    def mlp_in_flight(self, hidden_states, previous_logits):
+        """The MoE++ sub-block with its combine all-to-all in flight, for the ladder schedule: (pending, aux dict,
+        router logits); `pending.wait()` gives the output, shaped as `hidden_states`."""
+        x = self.post_attention_layernorm(hidden_states)
+        pending, logits, balance = self.mlp.issue(x.flatten(0, 1), previous_logits, hidden_states.shape)
+        return pending, _aux(balance), logits
+
+
+def _aux(balance: torch.Tensor | None) -> dict:
+    return {} if balance is None else {"load_balance": balance}
 
 
 class ZooMoeppPreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
@@ -262,17 +307,15 @@ class ZooMoeppPreTrainedModel(MoeDispatchMixin, ZooPreTrainedModel):
             init.normal_(module.constant, mean=0.0, std=self.config.initializer_range)
 
 
-class ZooMoeppModel(ZooMoeppPreTrainedModel, ZooDecoderModel):
+class ZooMoeppModel(ZooMoeppPreTrainedModel, ResidualSchedule, ZooDecoderModel):
     def make_layer(self, config, layer_idx):
         return MoeppDecoderLayer(config, layer_idx)
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
-        # Each layer's router logits go down the stack to the next layer's gating residual.
-        logits, balance = None, []
-        for layer in self.layers:
-            hidden_states, logits, loss = layer(hidden_states, position_embeddings, attention_mask, cache, logits)
-            balance.append(loss)
-        balance = [loss for loss in balance if loss is not None]
+        # Each layer's router logits go down the stack to the next layer's gating residual (`passes_down`).
+        auxes = []
+        hidden_states = self.run_schedule(hidden_states, position_embeddings, attention_mask, cache, auxes)
+        balance = [aux["load_balance"] for aux in auxes if "load_balance" in aux]
         if not balance:  # eval mode, or router_aux_loss_coef = 0
             return hidden_states
         return hidden_states, {"load_balance": self.config.router_aux_loss_coef * torch.stack(balance).mean()}

@@ -30,6 +30,13 @@ from models.llama.configuration import ZooLlamaConfig
 class ZooScMoeConfig(MoeConfigMixin, ZooLlamaConfig):
     model_type = "zoo_scmoe"
 
+    residual_refusal = (
+        "ScMoE already schedules each layer pair around its all-to-alls: the routed experts read the shortcut (the "
+        "dense block's post-attention stream), so the dispatch overlaps MLP_l and the combine Attn_{l+1} and the "
+        "shared expert. A ladder on top would change which stream the shortcut reads, a model neither paper "
+        "defines, so the zoo does not offer it."
+    )
+
     num_local_experts: int = 8
     num_experts_per_tok: int = 1
     shared_expert_intermediate_size: int | None = None
