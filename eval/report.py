@@ -107,7 +107,8 @@ def _json_default(value):
 
 # One colour and marker per architecture (models.ZOO's names) and per sequence-parallel method, in every
 # figure. LASP-1 and LASP-2 often move the same bytes: different markers and line styles keep the one
-# drawn second from hiding the other.
+# drawn second from hiding the other. A ladder variant (`gqla_ladder`, models.variants()) is drawn in its
+# standard sibling's colour and marker, hollow and dashed (`VARIANT_STYLE`): `table_style`.
 STYLES: dict[str, dict] = {
     "llama": {"color": "#1f77b4", "marker": "o"},
     "parallel": {"color": "#ff7f0e", "marker": "s"},
@@ -128,6 +129,26 @@ STYLES: dict[str, dict] = {
 # position), so that it is the same in every figure too.
 FALLBACK_COLOURS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 LINE_STYLES = ("-", "--", ":", "-.")
+# What a ladder variant's series changes in its sibling's style.
+VARIANT_STYLE = {"linestyle": "--", "markerfacecolor": "none"}
+
+
+def standard_sibling(name: str) -> str | None:
+    """The standard architecture whose ladder variant `name` is ("gqla_ladder" -> "gqla": the same classes with
+    the ladder residual schedule, models.variants()), or None when `name` is no ladder variant."""
+    import models  # here, not at the top: the other helpers need no model code
+    from models.registry import LADDER_SUFFIX
+
+    return name.removesuffix(LADDER_SUFFIX) if name in models.variants() else None
+
+
+def table_style(key: str) -> dict | None:
+    """The fixed style of series key `key`: its STYLES entry, or for a ladder variant its sibling's entry drawn
+    hollow and dashed; None for a key the table does not know."""
+    if key in STYLES:
+        return dict(STYLES[key])
+    sibling = standard_sibling(key)
+    return {**STYLES[sibling], **VARIANT_STYLE} if sibling in STYLES else None
 
 
 def series_key(label: str) -> str:
@@ -142,8 +163,9 @@ def series_key(label: str) -> str:
 def series_style(label: str) -> dict:
     """matplotlib keyword arguments (color, marker, ...) of the series `label`: the same in every figure."""
     key = series_key(label)
-    if key in STYLES:
-        return dict(STYLES[key])
+    style = table_style(key)
+    if style is not None:
+        return style
     return {"color": FALLBACK_COLOURS[zlib.crc32(key.encode()) % len(FALLBACK_COLOURS)], "marker": "o"}
 
 
@@ -156,7 +178,7 @@ def _styled(labels: Sequence[str]) -> dict[str, dict]:
     for label in labels:
         style = series_style(label)
         key = series_key(label)
-        if key not in STYLES:
+        if table_style(key) is None:
             if key not in fallback:
                 taken = set(fallback.values())
                 start = FALLBACK_COLOURS.index(style["color"])

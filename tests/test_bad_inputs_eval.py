@@ -309,6 +309,20 @@ def test_one_colour_per_architecture_in_every_figure(figures, tmp_path):
     assert len({plots.STYLES[a]["color"] for a in models.ZOO}) == len(models.ZOO)  # ten different colours
 
 
+def test_a_ladder_variant_is_drawn_as_its_sibling_hollow_and_dashed(figures, tmp_path):
+    """gqla_ladder keeps gqla's colour and marker (not a fallback colour of its own text), hollow and dashed, in
+    every figure; beside gqla in one panel the two still differ."""
+    for variant in models.variants():
+        sibling = plots.standard_sibling(variant)
+        assert sibling in models.ZOO and plots.standard_sibling(sibling) is None
+        assert plots.series_style(f"{variant} tp=8") == {**plots.STYLES[sibling], **plots.VARIANT_STYLE}
+    plots.plot_bars(tmp_path / "bars.png", ["x"], {"gqla": [1.0], "gqla_ladder": [2.0]}, ylabel="y")
+    (panel,) = figures[0].values()
+    assert panel["gqla"][0] == panel["gqla_ladder"][0] == plots.STYLES["gqla"]["color"]
+    styles = plots._styled(["gqla tp=8", "gqla_ladder tp=8"])
+    assert styles["gqla tp=8"] != styles["gqla_ladder tp=8"]
+
+
 def test_labels_outside_the_table_get_distinct_stable_colours(figures, tmp_path):
     """The expert-throughput bars ("measured ...", "expert rows ...") name no architecture; their text-chosen
     colours would coincide: one panel never shows two such keys in one colour, and each keeps it across figures."""
