@@ -69,11 +69,14 @@ def predict_all(cfg: DictConfig, run_dir: Path) -> dict:
 def alone(overrides: list[str], arch: str) -> list[str]:
     """`overrides` for a bench run of `arch` alone: its own baseline, the other architectures' `config_overrides`
     (a preset's, e.g. bench_preset=moe's moe_layer_freq for moe) dropped, which the bench refuses for an
-    architecture not in `archs`."""
+    architecture not in `archs`; a ladder variant keeps its standard sibling's, which it takes (moe_ladder: moe's)."""
     from hydra import compose
 
+    from eval.report import standard_sibling
+
     others = compose(config_name="bench", overrides=list(overrides)).get("config_overrides") or {}
-    return [*overrides, f"archs=[{arch}]", f"baseline={arch}", *[f"~config_overrides.{k}" for k in others if k != arch]]
+    own = (arch, standard_sibling(arch))
+    return [*overrides, f"archs=[{arch}]", f"baseline={arch}", *[f"~config_overrides.{k}" for k in others if k not in own]]
 
 
 def _simulated(results: dict) -> dict:

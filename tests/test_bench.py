@@ -93,6 +93,25 @@ def test_bench_refuses_degrees_an_architecture_cannot_take():
         check_settings(bench_settings("+config_overrides.nope={}"))
 
 
+def test_ladder_variants_run_as_archs_and_baseline_with_their_siblings_overrides():
+    """`<name>_ladder` (models.variants()) goes wherever an architecture's name goes: archs, baseline; its config is its
+    sibling's bench config under the ladder schedule, every layer laddered, its sibling's config_overrides under its
+    own (bench_preset=moe's moe_layer_freq for moe is moe_ladder's too); an unknown name is one error naming them."""
+    cfg = bench_settings("archs=[gqla,gqla_ladder]", "baseline=gqla_ladder", "tp=[2]")
+    archs_at, skipped = check_settings(cfg)
+    assert archs_at[(("tp", 2),)] == ["gqla", "gqla_ladder"] and not skipped
+    ladder = model_config(cfg, "gqla_ladder", {"tp": 2})
+    assert ladder.residual == "ladder" and ladder.ladder_layers == ladder.num_hidden_layers
+    assert model_config(cfg, "gqla", {"tp": 2}).residual == "standard"
+    moe = bench_settings("bench_preset=moe", "bench_shape=tiny", "archs=[moe_ladder]", "baseline=moe_ladder", "ep=[2]",
+                         "+config_overrides.moe_ladder.ladder_layers=1")  # fmt: skip
+    check_settings(moe)  # moe's overrides (the preset's) are allowed: moe_ladder takes them
+    variant = model_config(moe, "moe_ladder", {"ep": 2})
+    assert variant.moe_layer_freq == 2 == moe["config_overrides"]["moe"]["moe_layer_freq"] and variant.ladder_layers == 1
+    with pytest.raises(ValueError, match=r"Unknown architecture 'gqla_ladr'.*ladder variants .*gqla_ladder"):
+        check_settings(bench_settings("archs=[gqla,gqla_ladr]", "baseline=gqla"))
+
+
 def test_markdown_table_formatting():
     table = write_markdown_table([{"a": 1, "b": 0.123456, "c": None}], ["a", ("b", "B value"), "c"])
     assert table.splitlines() == ["| a | B value | c |", "|---|---|---|", "| 1 | 0.1235 | n/a |"]

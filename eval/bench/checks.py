@@ -6,6 +6,7 @@ them before it reads the section; every other section checks its own in its modu
 
 import models
 from eval.bench.degrees import degree_points, ranks
+from eval.report import standard_sibling
 from eval.simulator.device import DEVICES
 from parallel.link import LINK_PRESETS
 from parallel.mesh import DIM_ORDER
@@ -53,8 +54,9 @@ def check_generation(cfg: dict, real: dict, predicted: bool, static_cache: bool)
         _check_degree_list(real.get("ep"), "real EP", predicted=False)
         _check_points(degree_points(real["tp"], real.get("ep"), real.get("degrees")), "real")
     archs = cfg["archs"]
+    siblings = {standard_sibling(arch) for arch in archs}  # a ladder variant takes its sibling's overrides too
     for name in cfg.get("config_overrides") or {}:
-        if name not in archs:
+        if name not in archs and name not in siblings:
             raise ValueError(f"config_overrides names {name!r}, which is not in archs={list(archs)}.")
     for arch in archs:
         if models.get(arch).bench_config is None:

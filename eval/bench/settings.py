@@ -17,6 +17,7 @@ import models
 from eval.bench.checks import check_generation, check_numbers
 from eval.bench.degrees import degree_points, degrees_key, degrees_label, link_label, ranks
 from eval.bench.machine import cpu_cores, resolve_device
+from eval.report import standard_sibling
 from eval.simulator.device import ATTENTION_PROGRAMS, DEVICES, DeviceModel
 
 # The degree names and the device are read from here too (eval.tour, eval.at_scale, eval.gpu_check, the tests).
@@ -38,7 +39,9 @@ def _shape(bench_shape: dict) -> dict:
 @dataclass(frozen=True)
 class ModelSettings:
     """How an architecture's config is built: `bench_shape` (less its name) through the architecture's own
-    `bench_config` (its registry entry), with `config_overrides[arch]` on top."""
+    `bench_config` (its registry entry), with `config_overrides[arch]` on top. A ladder variant (`moe_ladder`)
+    takes its standard sibling's overrides first (bench_preset=moe's moe_layer_freq for moe), then its own: the
+    same model but for the residual schedule."""
 
     shape: dict
     overrides: dict  # {arch: {config field: value}}
@@ -48,9 +51,9 @@ class ModelSettings:
         return cls(_shape(cfg["bench_shape"]), dict(cfg.get("config_overrides") or {}))
 
     def config(self, arch: str, degrees: dict[str, int], **extra):
-        """The config of `arch` at the shape and `degrees`, `config_overrides[arch]` on top (and `extra` on top of
-        those)."""
-        overrides = self.overrides.get(arch) or {}
+        """The config of `arch` at the shape and `degrees`, `config_overrides[arch]` on top (a ladder variant's
+        sibling's under its own) and `extra` on top of those."""
+        overrides = {**(self.overrides.get(standard_sibling(arch)) or {}), **(self.overrides.get(arch) or {})}
         return models.get(arch).bench_config(dict(self.shape), degrees, **{**overrides, **extra})
 
     def at_shape(self, bench_shape: dict) -> "ModelSettings":
