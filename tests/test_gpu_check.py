@@ -64,3 +64,11 @@ def test_compile_planner_cuts_layers_to_the_time_left(elapsed, policy, fair_left
     assert (
         len([q for q in queue if q[0] == "compiled"]) == 2 * 14
     )  # 6 archs (gqla twice) x 2 shapes x 2 batches
+
+
+def test_ladder_variants_are_names_the_check_takes():
+    from eval.gpu_check.settings import check_names
+
+    check_names(["gqla", "gqla_ladder", "moe_ladder"], ["tiny"])
+    with pytest.raises(SystemExit, match=r"'gqla_ladr' \(gqla_ladr: did you mean gqla_ladder\?\).* ladder variants .*moe_ladder"):
+        check_names(["gqla_ladr"], ["tiny"])

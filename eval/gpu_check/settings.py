@@ -75,13 +75,15 @@ def check_names(archs: list[str], shapes: list[str]) -> None:
     """Unknown architectures or bench shapes are refused before anything is measured (exit status 1)."""
     import models
 
-    unknown = [a for a in archs if a not in models.ZOO]
+    names = [*models.ZOO, *models.variants()]  # the architectures and their ladder variants (gqla_ladder)
+    unknown = [a for a in archs if a not in names]
     if unknown:
-        near = {a: difflib.get_close_matches(a, list(models.ZOO), n=1) for a in unknown}
+        near = {a: difflib.get_close_matches(a, names, n=1) for a in unknown}
         hint = "".join(f" ({a}: did you mean {near[a][0]}?)" for a in unknown if near[a])
         raise SystemExit(
             f"Error: --archs names unknown architecture{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, unknown))}{hint}; the zoo has {', '.join(sorted(models.ZOO))}."
+            f"{', '.join(map(repr, unknown))}{hint}; the zoo has {', '.join(sorted(models.ZOO))} and the ladder "
+            f"variants {', '.join(models.variants())}."
         )
     known = sorted(p.stem for p in (ROOT / "conf" / "bench_shape").glob("*.yaml"))
     unknown = [sh for sh in shapes if sh not in known]

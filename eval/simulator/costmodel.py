@@ -121,8 +121,11 @@ def check(cfg: dict) -> None:
             raise ValueError(f"links.{key}: {err}") from None
     for column in ("standard", "ladder", "parallel"):
         arch = cfg["columns"].get(column)
-        if arch not in models.ZOO:
-            raise ValueError(f"columns.{column}={arch!r} is not a zoo architecture; choose one of {sorted(models.ZOO)}.")
+        if arch not in models.ZOO and arch not in models.variants():
+            raise ValueError(
+                f"columns.{column}={arch!r} is not a zoo architecture; choose one of {sorted(models.ZOO)} or a "
+                f"ladder variant ({', '.join(models.variants())})."
+            )
 
 
 def record_cells(cfg: dict) -> dict[tuple, object]:
