@@ -36,16 +36,77 @@ COLUMNS = [
     ("collectives", "collectives/step"),
 ]
 MOE_COLUMNS = [("a2a_hidden", "all-to-all hidden (decode)"), ("a2a_published", "published hidden")]
+# A ladder variant (`gqla_ladder`) against its standard sibling (`gqla`) at the same link and batch.
+SIBLING_COLUMNS = [
+    ("arch", "variant"),
+    ("sibling", "sibling"),
+    ("at", "at"),
+    ("batch", "batch"),
+    ("decode_ms", "decode ms/token"),
+    ("sibling_decode_ms", "sibling's"),
+    ("vs_sibling_decode", "decode tokens/s over sibling"),
+    ("vs_sibling_total", "tokens/s over sibling"),
+    ("vs_sibling_prefill", "prefill speed-up over sibling"),
+    ("ttft_change_vs_sibling", "time to first token, change"),
+    ("hidden_decode", "link time hidden (decode)"),
+    ("sibling_hidden_decode", "sibling's"),
+    ("hidden_prefill", "link time hidden (prefill)"),
+    ("sibling_hidden_prefill", "sibling's"),
+    ("speedup_total", "tokens/s over baseline"),
+]
+SIBLING_MOE_COLUMNS = [
+    ("a2a_hidden", "all-to-all hidden (decode)"),
+    ("sibling_a2a_hidden", "sibling's"),
+    ("combine_hidden", "combine hidden by the ladder"),
+]
+
+
+def _hidden(exposed_share: float | None) -> float | None:
+    """The share of the link's time covered by compute: 1 - exposed / link busy (the bench's exposed share); a
+    rounding error off 0 (a schedule that hides nothing) is 0."""
+    if exposed_share is None:
+        return None
+    hidden = 1 - exposed_share
+    return 0.0 if abs(hidden) < 1e-9 else hidden
+
+
+def sibling_columns(r: dict, sib: dict | None) -> dict:
+    """A ladder variant's row `r` against its standard sibling's `sib` (same link, batch and degrees): tokens/s and
+    prefill ratios, the share of link time each hides, and for MoE the all-to-all's. The combine all-to-all returns
+    the rows the dispatch sent, so it is half of a MoE layer's token all-to-all link time; `combine_hidden` is the
+    exposed all-to-all time per MoE layer the variant saves over its sibling, as a share of that half."""
+    if sib is None:
+        return {"sibling": None}
+    out = {
+        "sibling": sib["arch"],
+        "sibling_decode_ms": sib["decode_ms_per_step"],
+        "vs_sibling_decode": r["decode_tok_s"] / sib["decode_tok_s"],
+        "vs_sibling_total": r["total_tok_s"] / sib["total_tok_s"],
+        "vs_sibling_prefill": sib["prefill_ms"] / r["prefill_ms"],
+        "ttft_change_vs_sibling": r["prefill_ms"] / sib["prefill_ms"] - 1,
+        "sibling_hidden_decode": _hidden(sib.get("decode_exposed_share")),
+        "sibling_hidden_prefill": _hidden(sib.get("prefill_exposed_share")),
+        "sibling_exposed_ms": sib.get("decode_exposed_ms"),
+        "sibling_a2a_hidden": sib.get("decode_a2a_hidden_share"),
+        "sibling_a2a_exposed_ms": sib.get("decode_a2a_exposed_ms_per_layer"),
+    }
+    link, exposed = r.get("decode_a2a_link_ms_per_layer"), r.get("decode_a2a_exposed_ms_per_layer")
+    if link and exposed is not None and out["sibling_a2a_exposed_ms"] is not None:
+        out["combine_hidden"] = (out["sibling_a2a_exposed_ms"] - exposed) / (link / 2)
+    return out
 
 
 def scale_rows(name: str, results: dict) -> list[dict]:
-    """The simulated rows of one bench run, each with its speed-ups over the run's baseline."""
+    """The simulated rows of one bench run, each with its speed-ups over the run's baseline, and a ladder variant's
+    (`gqla_ladder`) also against its standard sibling (`gqla`) where the run has it (`sibling_columns`)."""
     base_name = results["settings"]["baseline"]
     rows = [r for r in results["rows"] if r["variant"] == "simulated"]
     index = {(r["arch"], r["link"], r["batch"], degrees_key(r["degrees"])): r for r in rows}
     out = []
     for r in rows:
         base = index.get((base_name, r["link"], r["batch"], degrees_key(r["degrees"])))
+        sibling = report.standard_sibling(r["arch"])
+        sib = index.get((sibling, r["link"], r["batch"], degrees_key(r["degrees"]))) if sibling else None
         out.append({
             "run": name,
             "arch": r["arch"],
@@ -63,6 +124,17 @@ def scale_rows(name: str, results: dict) -> list[dict]:
             "prompt_len": results["settings"]["prompt_len"],
             "a2a_hidden": r.get("decode_a2a_hidden_share"),
             "a2a_published": r.get("a2a_hidden_anchor"),
+            "decode_tok_s": r["decode_tok_s"],
+            "decode_ms": r["decode_ms_per_step"],
+            "prefill_ms": r["prefill_ms"],
+            "link_ms": r.get("decode_comm_busy_ms"),  # per decode step
+            "exposed_ms": r.get("decode_exposed_ms"),
+            "hidden_decode": _hidden(r.get("decode_exposed_share")),
+            "hidden_prefill": _hidden(r.get("prefill_exposed_share")),
+            "a2a_link_ms": r.get("decode_a2a_link_ms_per_layer"),  # per MoE layer and decode step
+            "a2a_exposed_ms": r.get("decode_a2a_exposed_ms_per_layer"),
+            "moe_layers": r.get("decode_moe_layers"),
+            **sibling_columns(r, sib),
         })  # fmt: skip
     return out
 
@@ -106,6 +178,57 @@ def ttft_summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+FORMATS = {"x": lambda v: f"{v:.2f}x", "ms": lambda v: f"{v:.3g} ms", "%": lambda v: f"{v:.0%}",
+           "+%": lambda v: f"{v:+.1%}"}  # fmt: skip
+
+
+def per_batch(group: list[dict], key: str, fmt: str) -> str:
+    """`key` of each row of `group` (one per batch), formatted as FORMATS[fmt], joined by " / "."""
+    return " / ".join("n/a" if r.get(key) is None else FORMATS[fmt](r[key]) for r in group)
+
+
+def variant_notes(rows: list[dict]) -> list[str]:
+    """One paragraph per ladder variant and link of a run, from its rows against its sibling's: what the schedule
+    hides and what it buys at each batch (the rows' numbers, in words)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r.get("sibling"):
+            groups.setdefault((r["arch"], r["at"]), []).append(r)
+    lines = []
+    for (arch, at), rows_at in groups.items():
+        group = sorted(rows_at, key=lambda r: r["batch"])
+        sib, against = group[0]["sibling"], group[0]["against"]
+        batches = " / ".join(str(r["batch"]) for r in group)
+        text = [f"- **{arch}** ({at}): `{sib}` with the ladder residual schedule on every layer."]
+        if all(r.get("combine_hidden") is not None for r in group):
+            text.append(
+                f"A MoE layer's two token all-to-alls (dispatch, combine) keep the link busy "
+                f"{per_batch(group, 'a2a_link_ms', 'ms')} per decode step at batch {batches}; {sib} leaves "
+                f"{per_batch(group, 'sibling_a2a_exposed_ms', 'ms')} of it exposed, {arch} "
+                f"{per_batch(group, 'a2a_exposed_ms', 'ms')}: the next layer's attention sub-block, run while the "
+                f"combine is in flight, hides {per_batch(group, 'combine_hidden', '%')} of the combine's link time "
+                f"(half the layer's), averaged over the {group[0]['moe_layers']:.0f} MoE layers."
+            )
+        elif all(r.get("hidden_decode") is not None and r.get("sibling_hidden_decode") is not None for r in group):
+            text.append(
+                f"Each decode step keeps the link busy {per_batch(group, 'link_ms', 'ms')} at batch {batches}; {sib} "
+                f"hides {per_batch(group, 'sibling_hidden_decode', '%')} of it behind compute, {arch} "
+                f"{per_batch(group, 'hidden_decode', '%')} (each sub-block's collective in flight while the next "
+                f"sub-block computes); in prefill {per_batch(group, 'sibling_hidden_prefill', '%')} against "
+                f"{per_batch(group, 'hidden_prefill', '%')}."
+            )
+        text.append(
+            f"A decode step takes {per_batch(group, 'decode_ms', 'ms')} instead of "
+            f"{per_batch(group, 'sibling_decode_ms', 'ms')}: decode tokens/s {per_batch(group, 'vs_sibling_decode', 'x')} "
+            f"over {sib}, prefill {per_batch(group, 'vs_sibling_prefill', 'x')} (time to first token "
+            f"{per_batch(group, 'ttft_change_vs_sibling', '+%')}), generation tokens/s "
+            f"{per_batch(group, 'vs_sibling_total', 'x')}"
+            + ("." if sib == against else f"; over {against}, the run's baseline, {per_batch(group, 'speedup_total', 'x')}.")
+        )
+        lines.append(" ".join(text))
+    return lines
+
+
 def markdown(result: dict) -> str:
     compute = next(iter(result["runs"].values()))["compute"]
     dm = compute.get("device_model", {})
@@ -131,6 +254,14 @@ def markdown(result: dict) -> str:
         columns = COLUMNS + (MOE_COLUMNS if any(r["a2a_hidden"] is not None for r in rows) else [])
         lines += [f"## {run['title']}", "", f"`{run['command']}` ([its bench report]({name}/README.md))", "",
                   report.write_markdown_table([r for r in rows if r["arch"] != r["against"]] or rows, columns), ""]  # fmt: skip
+        variants = [r for r in rows if r.get("sibling")]
+        if variants:
+            columns = SIBLING_COLUMNS + (SIBLING_MOE_COLUMNS if any(r.get("combine_hidden") is not None for r in variants) else [])
+            lines += ["### Ladder variants against their standard siblings", "",
+                      "Each `<name>_ladder` against `<name>` on the same link and batch (the variant over the sibling; "
+                      "time to first token, change = prefill time over the sibling's, minus 1; link time hidden = 1 - "
+                      "exposed / link busy on the virtual clock; tokens/s over baseline: over the run's baseline).", "",
+                      report.write_markdown_table(variants, columns), "", *variant_notes(variants), ""]  # fmt: skip
     lines += ttft_summary(result["rows"])
     lines += ["## Published numbers", "", "Their settings differ from the rows above where they say so.", ""]
     lines += [f"- **{arch}**: {text}" for arch, text in result["published"].items()]

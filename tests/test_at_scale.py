@@ -21,10 +21,10 @@ def result(tmp_path_factory):
             cfg.common = ["compute=h100-sxm", "prompt_len=16", "new_tokens=4", "batch_sizes=[1,2]", "logger=none"]
             cfg.runs = {
                 "dense": {"title": "tiny dense", "overrides": [
-                    "bench_shape=tiny", "archs=[llama,ladder,parallel]", "baseline=llama", "tp=[2]",
+                    "bench_shape=tiny", "archs=[llama,ladder,parallel,gqla,gqla_ladder]", "baseline=llama", "tp=[2]",
                     "simulated.links=[nvlink-h100]"]},
                 "moe": {"title": "tiny moe", "overrides": [
-                    "bench_preset=moe", "bench_shape=tiny", "archs=[moe,scmoe]", "baseline=moe", "ep=[2]",
+                    "bench_preset=moe", "bench_shape=tiny", "archs=[moe,scmoe,moe_ladder]", "baseline=moe", "ep=[2]",
                     "simulated.links=[pcie4]", "expert_throughput.enabled=false"]},
                 "ttft": {"title": "tiny ttft", "prompt_lens": [8, 16], "overrides": [
                     "bench_shape=tiny", "archs=[llama,kraken]", "baseline=llama", "tp=[2]", "batch_sizes=[1]",
@@ -36,8 +36,9 @@ def result(tmp_path_factory):
 def test_every_architecture_gets_its_speed_ups_over_its_baseline(result):
     res, out = result
     rows = {(r["run"], r["arch"], r["batch"]): r for r in res["rows"]}
-    assert set(rows) == {(run, arch, b) for run, archs in (("dense", ("llama", "ladder", "parallel")), ("moe", ("moe", "scmoe")))
-                         for arch in archs for b in (1, 2)} | {(f"ttft@{n}", a, 1) for n in (8, 16) for a in ("llama", "kraken")}  # fmt: skip
+    dense, moe = ("llama", "ladder", "parallel", "gqla", "gqla_ladder"), ("moe", "scmoe", "moe_ladder")
+    assert set(rows) == {(run, arch, b) for run, archs in (("dense", dense), ("moe", moe)) for arch in archs
+                         for b in (1, 2)} | {(f"ttft@{n}", a, 1) for n in (8, 16) for a in ("llama", "kraken")}  # fmt: skip
     for (run, _arch, batch), r in rows.items():
         base = rows[(run, r["against"], batch)]
         assert r["speedup_total"] == pytest.approx(r["tok_s"] / base["tok_s"])
@@ -58,3 +59,27 @@ def test_report_names_the_runs_the_published_numbers_and_the_compute(result):
                   "`h100-sxm`", "[its bench report](dense/README.md)", "**kraken: time to first token"):
         assert piece in text
     assert (out / "dense" / "results.json").exists() and (out / "at_scale.json").exists()
+
+
+def test_a_ladder_variant_is_set_against_its_standard_sibling(result):
+    """gqla_ladder against gqla (and llama, the run's baseline); moe_ladder against moe, with the share of the
+    combine all-to-all its attention sub-block hides; the report's own section and words, from the numbers."""
+    res, out = result
+    rows = {(r["run"], r["arch"], r["batch"]): r for r in res["rows"]}
+    for batch in (1, 2):
+        variant, sibling = rows[("dense", "gqla_ladder", batch)], rows[("dense", "gqla", batch)]
+        assert variant["sibling"] == "gqla" and variant["against"] == "llama" and sibling["sibling"] is None
+        assert variant["vs_sibling_decode"] == pytest.approx(variant["decode_tok_s"] / sibling["decode_tok_s"])
+        assert variant["vs_sibling_prefill"] == pytest.approx(sibling["prefill_ms"] / variant["prefill_ms"])
+        assert variant["vs_sibling_total"] == pytest.approx(variant["speedup_total"] / sibling["speedup_total"])
+        # gqla waits each all-reduce at once; its ladder variant leaves most of the link time hidden, and is faster
+        assert variant["sibling_hidden_decode"] == pytest.approx(sibling["hidden_decode"]) == pytest.approx(0, abs=1e-9)
+        assert variant["hidden_decode"] > 0.5 and variant["vs_sibling_decode"] > 1
+        moe = rows[("moe", "moe_ladder", batch)]
+        assert moe["sibling"] == "moe" and moe["moe_layers"] == rows[("moe", "moe", batch)]["moe_layers"]  # its overrides
+        assert moe["a2a_hidden"] > moe["sibling_a2a_hidden"] and 0 < moe["combine_hidden"] <= 1
+    text = (out / "README.md").read_text()
+    assert text.count("### Ladder variants against their standard siblings") == 2
+    assert "- **gqla_ladder** (tp=2, nvlink-h100): `gqla` with the ladder residual schedule" in text
+    combine = " / ".join(f"{rows[('moe', 'moe_ladder', b)]['combine_hidden']:.0%}" for b in (1, 2))
+    assert f"hides {combine} of the combine's link time" in text
