@@ -35,7 +35,8 @@ CONVERSIONS = [
     ("llama continued, nothing converted (the control)", "reports/upcycling/dense_continued/conversion.json", "ladder"),
     ("llama -> gqla (TransGQLA, d_c 16, its own 100-step source)", "reports/gqla-conversion/conversion.json", "gqla"),
 ]
-# The architectures of the glance table, each with the family baseline it is compared with.
+# The architectures of the glance table, each with the family baseline it is compared with; then every ladder
+# variant the at-scale report sets against its standard sibling (`_at_scale_variants`), against that sibling.
 GLANCE = ["parallel", "ladder", "kraken", "gqla", "scmoe", "moepp", "linear", "linear_hybrid"]
 # The quality-over-seeds label an architecture's quality is read from, where it is not its name: MoE++ at the
 # paper's expert ratio (8 FFN + 1 zero / 1 copy / 2 constant experts), as the tour trains it.
@@ -56,12 +57,18 @@ def _pm(stats: dict, digits: int = 3, sign: str = "+") -> str:
 
 
 def _at_scale_speedups(arch: str) -> dict[str, list[float]]:
-    """{run: [speed-up at batch 1, at batch 16]} of `arch` on NVLink, from the at-scale report."""
+    """{run: [speed-up at batch 1, at batch 16]} of `arch` on NVLink, from the at-scale report: over the run's
+    baseline, or a ladder variant's over its standard sibling."""
     out: dict[str, list[float]] = {}
     for row in _load(AT_SCALE)["rows"]:
         if row["arch"] == arch and row["arch"] != row["against"] and row["at"].endswith("nvlink-h100"):
-            out.setdefault(row["run"], []).append(row["speedup_total"])
+            out.setdefault(row["run"], []).append(row["vs_sibling_total"] if row.get("sibling") else row["speedup_total"])
     return out
+
+
+def _at_scale_variants() -> dict[str, str]:
+    """{ladder variant: its standard sibling} of the at-scale report's rows, in the report's order."""
+    return {row["arch"]: row["sibling"] for row in _load(AT_SCALE)["rows"] if row.get("sibling")}
 
 
 def _paired(arch: str, against: str) -> dict | None:
@@ -82,28 +89,33 @@ def _sp_training_step(arch: str) -> str | None:
 
 def glance(rel: str) -> list[str]:
     baselines = {row["arch"]: row["baseline"] for row in _load(SEEDS)["rows"]}
+    variants = _at_scale_variants()
     lines = [
         "| architecture | against | predicted speed-up, 8B shape, batch 1 / 16 | 70B shape, batch 1 / 16 "
         "| validation loss - baseline's (3 seeds, paired) | every seed agrees |",
         "|---|---|---|---|---|---|",
     ]
-    for arch in GLANCE:
-        against = baselines[arch]
+    for arch in [*GLANCE, *variants]:
+        against = variants.get(arch) or baselines[arch]
+        anchor = "the-ladder-schedule-on-other-architectures" if arch in variants else arch
         runs = _at_scale_speedups(arch)
         first = runs.get("dense_8b") or runs.get("moe_8x7b")
         seventy = runs.get("dense_70b")
+        generation = " / ".join(_x(v) for v in first) if first else None
+        training = _sp_training_step(arch)  # linear attention: its SP training step too (the tour's)
         diff = _paired(QUALITY_LABEL.get(arch, arch), against)
         lines.append(
-            f"| [`{arch}`]({rel}docs/architectures.md#{arch}) | `{against}` "
-            f"| {' / '.join(_x(v) for v in first) if first else _sp_training_step(arch) or 'not predicted'} "
+            f"| [`{arch}`]({rel}docs/architectures.md#{anchor}) | `{against}` "
+            f"| {'; '.join(filter(None, [generation, training])) or 'not predicted'} "
             f"| {' / '.join(_x(v) for v in seventy) if seventy else '-'} "
-            f"| {_pm(diff) if diff else '-'} | {'yes' if diff and diff['same_sign'] else 'no'} |"
+            f"| {_pm(diff) if diff else '-'} | {('yes' if diff['same_sign'] else 'no') if diff else '-'} |"
         )
     lines += [
         "",
         f"Speed-ups: tokens/s of generation (prompt 1024, 512 new tokens) over the baseline on 8 x H100, TP 8 (EP 8 for "
-        f"the MoE family), predicted by the speed simulator ([reports/at-scale]({rel}reports/at-scale/README.md); linear "
-        f"attention, which decodes on one device, as the tour predicts it: [reports/demo]({rel}reports/demo/README.md)). "
+        f"the MoE family), predicted by the speed simulator ([reports/at-scale]({rel}reports/at-scale/README.md)); "
+        f"`<name>_ladder`: `<name>` with the ladder residual schedule on every layer, over `<name>`; linear attention's "
+        f"sequence-parallel training step as the tour predicts it ([reports/demo]({rel}reports/demo/README.md)). "
         f"Quality: tiny models (1.8 M parameters) at equal tokens, 400 steps, seeds 42 / 43 / 44, mean ± std of the "
         f"per-seed difference; negative is better; MoE++ at the paper's expert ratio ([reports/quality-seeds]({rel}reports/quality-seeds/README.md)).",
     ]
