@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import models
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/*.md"]
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table:(?P=name) -->)", re.S)
@@ -27,6 +29,7 @@ SEEDS = "reports/quality-seeds/results.json"
 VALIDATION = "reports/simulator-validation/validation.json"
 DEMO = "reports/demo/tour.json"
 COSTMODEL = "reports/costmodel/costmodel.json"
+LADDER_CONVERSIONS = "reports/ladder-conversion/results.json"
 # Conversions of a trained llama: (label, the report's JSON, the name of its converted model in `val`).
 CONVERSIONS = [
     ("llama -> ladder (upper half laddered)", "reports/conversion/conversion.json", "ladder"),
@@ -195,12 +198,69 @@ def conversions(rel: str) -> list[str]:
     return lines
 
 
+def ladder_speed(rel: str) -> list[str]:
+    """Each ladder variant against its standard sibling at scale, per run, link and batch, from the at-scale report."""
+    lines = [
+        "| variant | against | run | link | decode tokens/s, batch 1 / 16 | prefill, batch 1 / 16 "
+        "| link time hidden in decode, variant / sibling (batch 1) | MoE combine hidden, batch 1 / 16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for row in _load(AT_SCALE)["rows"]:
+        if row.get("sibling"):
+            groups.setdefault((row["arch"], row["run"], row["at"]), []).append(row)
+    for (arch, run, at), rows in groups.items():  # the report's order
+        rows.sort(key=lambda r: r["batch"])
+        combine = [r.get("combine_hidden") for r in rows]
+        lines.append(
+            f"| `{arch}` | `{rows[0]['sibling']}` | {run} | {at.split(', ')[-1]} "
+            f"| {' / '.join(_x(r['vs_sibling_decode']) for r in rows)} "
+            f"| {' / '.join(_x(r['vs_sibling_prefill']) for r in rows)} "
+            f"| {rows[0]['hidden_decode']:.0%} / {rows[0]['sibling_hidden_decode']:.0%} "
+            f"| {' / '.join(f'{c:.0%}' for c in combine) if all(c is not None for c in combine) else '-'} |"
+        )
+    lines += ["", f"Predicted on 8 x H100 (prompt 1024, 512 new tokens), every layer laddered, from "
+              f"[reports/at-scale]({rel}reports/at-scale/README.md) (`python -m eval.at_scale`)."]
+    return lines
+
+
+def ladder_quality(rel: str) -> list[str]:
+    """Each ladder variant's quality against its standard sibling (3 seeds, paired) and the conversion of a trained
+    standard model (right after, retrained, against the control retrained as long)."""
+    conversions = {}
+    if (ROOT / LADDER_CONVERSIONS).is_file():
+        conversions = {row["arch"]: row for row in _load(LADDER_CONVERSIONS)["rows"]}
+    lines = [
+        "| variant | against | validation loss - sibling's (3 seeds, paired) | every seed agrees "
+        "| trained sibling converted: source / right after / retrained | control retrained |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant in models.variants():
+        sibling = variant.removesuffix(models.registry.LADDER_SUFFIX)
+        diff, c = _paired(variant, sibling), conversions.get(sibling)
+        converted = f"{c['source']:.4f} / {c['right_after']:.4f} / {c['retrained']:.4f}" if c else "not run"
+        control = f"{c['control_retrained']:.4f}" if c else "-"
+        lines.append(
+            f"| `{variant}` | `{sibling}` | {_pm(diff) if diff else 'not run'} "
+            f"| {('yes' if diff['same_sign'] else 'no') if diff else '-'} | {converted} "
+            f"| {control} |"
+        )
+    lines += ["", "Tiny models, the upper 2 of 4 layers laddered (as `ladder`'s): 400 steps x seeds 42 / 43 / 44 from "
+              f"[reports/quality-seeds]({rel}reports/quality-seeds/README.md); the conversions from "
+              f"[reports/ladder-conversion]({rel}reports/ladder-conversion/README.md) (`python -m eval.ladder_conversions`: "
+              "the standard model pretrained 400 steps, converted, retrained 150; the control converted with "
+              "ladder_layers=0, retrained as long). Negative is better."]
+    return lines
+
+
 TABLES: dict[str, Callable[[str], list[str]]] = {
     "glance": glance,
     "validation": validation,
     "costmodel": costmodel,
     "seeds": seeds,
     "conversions": conversions,
+    "ladder-speed": ladder_speed,
+    "ladder-quality": ladder_quality,
 }
 
 

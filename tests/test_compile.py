@@ -32,7 +32,8 @@ from tests.distributed import run_ranks
 ATOL = 1e-6
 # The MoE family's tp layouts (attention) are left out: its dropless dispatch sizes the all-to-all from counts
 # read off the device, which no graph can hold (issue 18, item 3: a dispatch with host-known sizes).
-TP_ARCHS = sorted(name for name, e in models.ZOO.items() if "tp" in e.degrees and "ep" not in e.degrees)
+NAMES = sorted(models.ZOO) + models.variants()  # the ladder variants through their registry entries
+TP_ARCHS = [name for name in NAMES if "tp" in models.get(name).degrees and "ep" not in models.get(name).degrees]
 
 
 def _all_reduce_ranks(rank, world_size):
@@ -113,7 +114,7 @@ def test_every_collective_is_functional_under_compile_forward_and_backward():
 
 def sharded_tiny(arch: str, mesh, dim: str, world_size: int):
     """`arch`'s tiny config at {dim: world_size}, seeded, sharded over `mesh`, in eval mode."""
-    entry = models.ZOO[arch]
+    entry = models.get(arch)
     torch.manual_seed(0)
     model = entry.model_class(entry.tiny_at({dim: world_size})).eval()
     parallel.parallelize(model, mesh)
@@ -218,7 +219,7 @@ def test_tp2_decode_step_under_inductor_equals_eager():
     run_ranks(_decode_ranks, 2, ["llama", "ladder"], "inductor")
 
 
-EP_ARCHS = sorted(name for name, e in models.ZOO.items() if "ep" in e.degrees)
+EP_ARCHS = [name for name in NAMES if "ep" in models.get(name).degrees]
 
 
 def _generate_ranks(rank, world_size, archs, dim, compiled):
