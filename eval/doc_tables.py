@@ -59,6 +59,11 @@ def _pm(stats: dict, digits: int = 3, sign: str = "+") -> str:
     return f"{stats['mean']:{sign}.{digits}f} ± {stats['std']:.{digits}f}"
 
 
+def _agrees(diff: dict | None) -> str:
+    """Whether every seed's paired difference has the same sign ("-": no comparison)."""
+    return ("yes" if diff["same_sign"] else "no") if diff else "-"
+
+
 def _at_scale_speedups(arch: str) -> dict[str, list[float]]:
     """{run: [speed-up at batch 1, at batch 16]} of `arch` on NVLink, from the at-scale report: over the run's
     baseline, or a ladder variant's over its standard sibling."""
@@ -111,7 +116,7 @@ def glance(rel: str) -> list[str]:
             f"| [`{arch}`]({rel}docs/architectures.md#{anchor}) | `{against}` "
             f"| {'; '.join(filter(None, [generation, training])) or 'not predicted'} "
             f"| {' / '.join(_x(v) for v in seventy) if seventy else '-'} "
-            f"| {_pm(diff) if diff else '-'} | {('yes' if diff['same_sign'] else 'no') if diff else '-'} |"
+            f"| {_pm(diff) if diff else '-'} | {_agrees(diff)} |"
         )
     lines += [
         "",
@@ -120,7 +125,7 @@ def glance(rel: str) -> list[str]:
         f"`<name>_ladder`: `<name>` with the ladder residual schedule on every layer, over `<name>`; linear attention's "
         f"sequence-parallel training step as the tour predicts it ([reports/demo]({rel}reports/demo/README.md)). "
         f"Quality: tiny models (1.8 M parameters) at equal tokens, 400 steps, seeds 42 / 43 / 44, mean ± std of the "
-        f"per-seed difference; negative is better; MoE++ at the paper's expert ratio ([reports/quality-seeds]({rel}reports/quality-seeds/README.md)).",
+        f"per-seed difference; negative is better; a `<name>_ladder`'s tiny models ladder the upper 2 of 4 layers; MoE++ at the paper's expert ratio ([reports/quality-seeds]({rel}reports/quality-seeds/README.md)).",
     ]
     return lines
 
@@ -177,7 +182,7 @@ def seeds(rel: str) -> list[str]:
             f" ({row['active_params'] / 1e6:.2f} M)" if row["active_params"] != row["params"] else "")
         lines.append(
             f"| {row['arch']} | {row['baseline'] or '-'} | {params} | {_pm(row['val_loss'], 4, '')} "
-            f"| {_pm(diff, 4) if diff else '-'} | {('yes' if diff['same_sign'] else 'no') if diff else '-'} |"
+            f"| {_pm(diff, 4) if diff else '-'} | {_agrees(diff)} |"
         )
     lines += ["", f"{len(report['settings']['seeds'])} seeds x {report['settings']['max_steps']} steps, from "
               f"[reports/quality-seeds]({rel}reports/quality-seeds/README.md) (`python -m eval.replicate`)."]
@@ -242,7 +247,7 @@ def ladder_quality(rel: str) -> list[str]:
         control = f"{c['control_retrained']:.4f}" if c else "-"
         lines.append(
             f"| `{variant}` | `{sibling}` | {_pm(diff) if diff else 'not run'} "
-            f"| {('yes' if diff['same_sign'] else 'no') if diff else '-'} | {converted} "
+            f"| {_agrees(diff)} | {converted} "
             f"| {control} |"
         )
     lines += ["", "Tiny models, the upper 2 of 4 layers laddered (as `ladder`'s): 400 steps x seeds 42 / 43 / 44 from "
