@@ -93,6 +93,10 @@ def markdown(rows: list[dict], cfg: DictConfig) -> str:
             f"{r['retrained']:.4f} ({r['retrain_steps']} steps) | {r['control_retrained']:.4f} | "
             f"{r['retrained'] - r['control_retrained']:+.4f} |"
         )
+    missing = [a for a in archs_of(OmegaConf.create({"archs": None})) if a not in {r["arch"] for r in rows}]
+    if missing:
+        lines += ["", f"Not in this report: {', '.join(missing)} (`python -m eval.ladder_conversions "
+                  f"archs=[{','.join(missing)}] out_dir=...` adds them)."]
     return "\n".join(lines) + "\n"
 
 

@@ -32,3 +32,4 @@ def test_a_row_reads_the_ladder_conversion_against_its_control():
                    "control_retrained": 4.95, "retrain_steps": 150}
     table = lc.markdown([row], cfg())
     assert "| moe | 2 | 5.0000 | 5.2000 | 4.9000 (150 steps) | 4.9500 | -0.0500 |" in table
+    assert "Not in this report: moepp, linear, linear_hybrid, gqla" in table
