@@ -48,12 +48,19 @@ def pretrain_source(cfg: DictConfig, arch: str, run_dir: Path) -> str:
     return train(c)["hf_dir"]
 
 
+def converter_for(arch: str) -> str:
+    """The `<name>_to_ladder` converter that reads `arch`'s checkpoints (one per config class: linear_hybrid's is
+    linear_to_ladder)."""
+    model_type = models.get(arch).config_class.model_type
+    return next(c.name for c in models.CONVERTERS.values() if c.name.endswith("_to_ladder") and model_type in c.source_types)
+
+
 def convert_one(cfg: DictConfig, source: str, arch: str, ladder_layers: int, run_dir: Path) -> dict:
-    """`train.convert converter=<arch>_to_ladder` with retraining; its result dict."""
+    """`train.convert converter=<arch's>_to_ladder` with retraining; its result dict."""
     from train.convert import convert
 
     retrain = "retrain.overrides=[" + ",".join(f"'{o}'" for o in cfg.retrain_overrides) + "]"  # each holds '=': quoted
-    c = compose(config_name="convert", overrides=[f"converter={arch}_to_ladder", f"source={source}",
+    c = compose(config_name="convert", overrides=[f"converter={converter_for(arch)}", f"source={source}",
                                                   f"ladder_layers={ladder_layers}", "retrain.enabled=true", retrain,
                                                   f"seed={cfg.seed}", "overwrite=true"])
     c.paths.output_dir = str(run_dir)
@@ -63,13 +70,14 @@ def convert_one(cfg: DictConfig, source: str, arch: str, ladder_layers: int, run
 def row(arch: str, record: dict) -> dict:
     """Validation losses of one architecture: source, right after, retrained, and the control retrained."""
     ladder, control = record["ladder"]["val"], record["control"]["val"]
+    name = record["ladder"]["target"]  # the converter's name for the architecture (linear_hybrid's: linear)
     return {
         "arch": arch,
         "ladder_layers": record["ladder"]["ladder_layers"],
-        "source": ladder[f"{arch} (source)"]["loss"],
-        "right_after": ladder[f"{arch}, no retraining"]["loss"],
-        "retrained": ladder[f"{arch}, retrained"]["loss"],
-        "control_retrained": control[f"{arch}, retrained"]["loss"],
+        "source": ladder[f"{name} (source)"]["loss"],
+        "right_after": ladder[f"{name}, no retraining"]["loss"],
+        "retrained": ladder[f"{name}, retrained"]["loss"],
+        "control_retrained": control[f"{name}, retrained"]["loss"],
         "retrain_steps": record["ladder"]["retrain"]["global_step"],
     }
 

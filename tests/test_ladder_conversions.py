@@ -22,9 +22,14 @@ def _val(arch, source, after, retrained):
             f"{arch}, retrained": {"loss": retrained}}
 
 
+def test_each_architecture_is_converted_by_the_converter_of_its_config_class():
+    assert lc.converter_for("moe") == "moe_to_ladder"
+    assert lc.converter_for("linear_hybrid") == "linear_to_ladder"  # linear and linear_hybrid share theirs
+
+
 def test_a_row_reads_the_ladder_conversion_against_its_control():
     record = {
-        "ladder": {"ladder_layers": 2, "val": _val("moe", 5.0, 5.2, 4.9), "retrain": {"global_step": 150}},
+        "ladder": {"ladder_layers": 2, "target": "moe", "val": _val("moe", 5.0, 5.2, 4.9), "retrain": {"global_step": 150}},
         "control": {"ladder_layers": 0, "val": _val("moe", 5.0, 5.0, 4.95), "retrain": {"global_step": 150}},
     }
     row = lc.row("moe", record)
