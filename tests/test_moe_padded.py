@@ -245,7 +245,7 @@ def test_runtime_switch_and_config_fields():
 
 @pytest.mark.parametrize("name", EP_ARCHS)
 def test_bad_dispatch_values_are_one_clear_error_each(name):
-    entry = models.ZOO[name]
+    entry = models.get(name)
     with pytest.raises(
         ValueError,
         match=r"moe_dispatch='fast' is not an MoE dispatch; choose one of \('dropless', 'padded'\)",
@@ -277,7 +277,7 @@ META_POINTS = [(name, factor) for name in EP_ARCHS for factor in (None, 0.5)]
 def test_padded_runs_on_the_meta_device_simulated_and_none(name, factor):
     ep, batch, seq = 2, 2, 8
     with fake_ep_mesh(ep) as mesh:
-        entry = models.ZOO[name]
+        entry = models.get(name)
         config = entry.tiny_at({"ep": ep}, moe_dispatch="padded", dispatch_capacity_factor=factor)
         with torch.device("meta"):
             model = entry.model_class(config)
