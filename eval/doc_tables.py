@@ -241,7 +241,7 @@ def ladder_quality(rel: str) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for variant in models.variants():
-        sibling = variant.removesuffix(models.registry.LADDER_SUFFIX)
+        sibling = models.registry.standard_sibling(variant)
         diff, c = _paired(variant, sibling), conversions.get(sibling)
         converted = f"{c['source']:.4f} / {c['right_after']:.4f} / {c['retrained']:.4f}" if c else "not run"
         control = f"{c['control_retrained']:.4f}" if c else "-"

@@ -27,7 +27,7 @@ OWN_FILES = ("runs", "results.json", "README.md")
 
 def archs_of(cfg: DictConfig) -> list[str]:
     """`archs`, or every architecture with a ladder variant; one clear error for one without."""
-    laddered = [name.removesuffix(models.registry.LADDER_SUFFIX) for name in models.variants()]
+    laddered = [models.registry.standard_sibling(name) for name in models.variants()]
     archs = list(cfg.archs) if cfg.archs is not None else laddered
     wrong = [a for a in archs if a not in laddered]
     if wrong or not archs:

@@ -134,12 +134,10 @@ VARIANT_STYLE = {"linestyle": "--", "markerfacecolor": "none"}
 
 
 def standard_sibling(name: str) -> str | None:
-    """The standard architecture whose ladder variant `name` is ("gqla_ladder" -> "gqla": the same classes with
-    the ladder residual schedule, models.variants()), or None when `name` is no ladder variant."""
-    import models  # here, not at the top: the other helpers need no model code
-    from models.registry import LADDER_SUFFIX
+    """models.registry.standard_sibling (imported here, not at the top: the other helpers need no model code)."""
+    from models.registry import standard_sibling as sibling
 
-    return name.removesuffix(LADDER_SUFFIX) if name in models.variants() else None
+    return sibling(name)
 
 
 def table_style(key: str) -> dict | None:

@@ -153,6 +153,12 @@ def variants() -> list[str]:
     return [name + LADDER_SUFFIX for name, entry in ZOO.items() if "ladder" in entry.residuals]
 
 
+def standard_sibling(name: str) -> str | None:
+    """The architecture whose ladder variant `name` is ("gqla_ladder" -> "gqla"), or None when `name` is no ladder
+    variant."""
+    return name.removesuffix(LADDER_SUFFIX) if name in variants() else None
+
+
 def variant(entry: ZooEntry) -> ZooEntry:
     """`entry` under the ladder schedule, named `<name>_ladder`. Its tiny config ladders the upper half of the
     layers (laddered and standard layers both run, as in the tiny ladder); its bench config every layer (the

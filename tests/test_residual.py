@@ -21,7 +21,7 @@ from models.gqla.stock import check_exportable
 from tests.distributed import run_ranks
 from tests.test_tp import TP4, local_slice
 
-LADDERED = [name.removesuffix("_ladder") for name in models.variants()]
+LADDERED = [models.registry.standard_sibling(name) for name in models.variants()]
 ROOT = Path(__file__).resolve().parents[1]
 
 
