@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import datasets
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from train import data
 from train.data import corpus as corpus_module
-from train.data import packing as packing_module
+from train.data import prepare as prepare_module
 
 
 @pytest.fixture(scope="module")
@@ -122,53 +123,43 @@ def test_other_source_is_split_and_renamed(monkeypatch, tmp_path):
         data.load_text_dataset(str(folder), text_column="body")
 
 
-# ------------------------------------------------------------------------------------------- packing
+# ----------------------------------------------------------------------------------------- preparing
 
 
-def test_pack_dataset_blocks_are_the_token_stream(tokenizer):
-    texts = [
-        "Now is the winter of our discontent",
-        "",
-        "Made glorious summer by this sun of York;\n" * 7,
-        "Ay.",
-    ]
-    dataset = datasets.Dataset.from_dict({"text": texts})
-    stream = []
-    for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if ids:  # empty documents contribute nothing, not a lone eos
+def test_prepared_corpus_is_the_token_stream_of_the_documents(shared_cache, tokenizer):
+    folder = data.LMDataModule(seq_len=64, batch_size=4).folders(progress=False)[0]
+    manifest = data.read_manifest(folder)
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 8192
+    works = data.load_text_dataset()
+    for split in ("train", "validation"):
+        stream = []
+        for text in works[split]["text"]:
+            ids = tokenizer.encode(text, add_special_tokens=False)
             stream += ids + [tokenizer.eos_token_id]
-    blocks = data.pack_dataset(dataset, tokenizer, seq_len=8)
-    assert blocks.dtype == torch.long and blocks.shape == (len(stream) // 8, 8)
-    assert blocks.flatten().tolist() == stream[: blocks.numel()]
-    assert data.pack_dataset(dataset, tokenizer, seq_len=10_000).shape == (0, 10_000)
+        shards = manifest["splits"][split]["shards"]
+        on_disk = np.concatenate([np.fromfile(folder / s["file"], dtype=np.uint16) for s in shards])
+        assert on_disk.tolist() == stream, split
+        assert manifest["splits"][split]["documents"] == len(works[split])
+    assert manifest["splits"]["train"]["tokens"] == 1347436
 
 
-def test_token_streams_are_cached_on_disk(shared_cache, tokenizer, monkeypatch):
-    first = data.cached_token_streams(tokenizer)
-    files = sorted(p.name for p in (shared_cache / "packed").iterdir())
-    assert len(files) == 2 and not any(name.endswith(".tmp") for name in files)
+def test_prepared_folders_are_reused_and_keyed(shared_cache, tokenizer, monkeypatch):
+    settings = data.SourceSettings()
+    folder = data.prepare_corpus(settings, progress=False)
 
     def no_tokenizing(*args, **kwargs):
-        raise AssertionError("re-tokenized although the cache holds the streams")
+        raise AssertionError("re-tokenized although the folder is prepared")
 
-    monkeypatch.setattr(packing_module, "token_stream", no_tokenizing)
-    second = data.cached_token_streams(tokenizer)
-    for split in ("train", "validation"):
-        assert torch.equal(first[split], second[split]) and first[split].numel() > 100_000
-    assert first["validation"][-1] == tokenizer.eos_token_id
-    # Whatever changes the streams changes the cache file, so a stale entry is never read.
-    paths = data.token_cache_paths(tokenizer)
-    assert sorted(p.name for p in paths.values()) == files
-    variants = [
-        data.token_cache_paths(tokenizer, validation_fraction=0.3),
-        data.token_cache_paths(tokenizer, seed=1),
-        data.token_cache_paths(data.load_tokenizer(str(data.TOKENIZER_DIR)), seed=0),  # same tokenizer
-    ]
-    assert variants[0] != paths and variants[1] != paths and variants[2] == paths
+    monkeypatch.setattr(prepare_module, "_run", no_tokenizing)
+    assert data.prepare_corpus(settings, progress=False) == folder
+    # Whatever changes the tokens changes the folder, so a stale one is never read.
+    ident = data.tokenizer_fingerprint(tokenizer)
+    assert data.default_prepared_dir(settings, ident) == folder
+    for other in (data.SourceSettings(validation_fraction=0.3), data.SourceSettings(split_seed=1)):
+        assert data.default_prepared_dir(other, ident) != folder
     grown = data.load_tokenizer()
     grown.add_tokens(["Shakespearean"])
-    assert data.token_cache_paths(grown) != paths
+    assert data.tokenizer_fingerprint(grown) != ident
 
 
 # ---------------------------------------------------------------------------------------- DataModule
@@ -191,9 +182,11 @@ def test_datamodule_batches(shared_cache):
 
     val = dm.val_dataloader()
     assert len(val) == 3
-    assert torch.equal(next(iter(val))["input_ids"], dm.val_blocks[:4])  # in order, not shuffled
+    first = next(iter(val))
+    in_order = torch.stack([dm.val_dataset[i]["input_ids"] for i in range(4)])
+    assert torch.equal(first["input_ids"], in_order) and first["source"].tolist() == [0] * 4  # not shuffled
     train = dm.train_dataloader()
-    assert len(train) == dm.train_blocks.shape[0] // 4  # drop_last
+    assert len(train) == len(dm.train_dataset) // 4  # drop_last
     # Same seed, same order; another epoch, another order.
     assert torch.equal(next(iter(train))["input_ids"], batch["input_ids"])
     train.sampler.set_epoch(1)

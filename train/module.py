@@ -361,6 +361,10 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         self._step_clock = None
         self._val_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        # With a mixture of sources (LMDataModule's source_names), (loss sum, tokens) of each source too.
+        names = getattr(getattr(self.trainer, "datamodule", None), "source_names", None) or []
+        self._val_source_names = list(names) if len(names) > 1 else []
+        self._val_per_source = torch.zeros(len(self._val_source_names), 2, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         input_ids = batch["input_ids"]
@@ -375,6 +379,13 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         loss_sum, tokens = summed_token_loss(logits, labels, shifted=shifted)
         self._val_loss_sum += loss_sum.double()
         self._val_tokens += tokens
+        sources = batch.get("source")
+        if self._val_source_names and sources is not None:
+            for source in sources.unique().tolist():
+                rows = sources == source
+                part_sum, part_tokens = summed_token_loss(logits[rows], labels[rows], shifted=shifted)
+                self._val_per_source[source, 0] += part_sum.double()
+                self._val_per_source[source, 1] += part_tokens
 
     def on_validation_epoch_end(self) -> None:
         totals = self.trainer.strategy.reduce(
@@ -386,6 +397,10 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         # all-reduce per validation) and keeps Lightning from warning that epoch metrics are unsynced.
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", ppl, sync_dist=True)
+        if self._val_source_names:
+            per_source = self.trainer.strategy.reduce(self._val_per_source, reduce_op="sum")
+            for name, (loss_sum, tokens) in zip(self._val_source_names, per_source.tolist(), strict=True):
+                self.log(f"val/loss/{name}", loss_sum / max(tokens, 1.0), sync_dist=True)
         if not self.trainer.sanity_checking:
             self.val_history.append((self.trainer.global_step, loss, ppl))
 

@@ -2,45 +2,100 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
+import numpy as np
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-
-class BlockDataset(Dataset):
-    """Rows of a [n, seq_len] LongTensor as `{"input_ids": LongTensor[seq_len]}`."""
-
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[index]}
+from train.data.permutation import Permutation
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler (shuffle, drop_last) that can start part-way into an epoch.
+    """The shuffled order of an epoch over a mixture of sources, dealt to data-parallel ranks; it can start
+    part-way into an epoch.
 
-    The order is a permutation seeded by `seed + epoch` (`set_epoch`, called by Lightning every epoch);
-    rank r of R takes every R-th index of it. Being a DistributedSampler, Lightning leaves it in place
-    under DDP instead of wrapping it. `start` (set by `ResumableDataLoader.load_state_dict`) skips that
-    many of this rank's samples on the next iteration only.
+    `counts[s]` windows of source s are items `offsets[s] ..` of the dataset (`WindowDataset`'s
+    numbering). An epoch has N = sum(counts) samples; source s gets the share `weights[s]` of them
+    (largest remainders; with one source, or weights proportional to the counts, every window once). The
+    epoch's positions are permuted by a `Permutation` keyed by (seed, epoch), so the sources are
+    interleaved at random in exact proportions; sample j of source s is window `perm_s(j mod counts[s])`,
+    a permutation keyed by (seed, epoch, s, j // counts[s]): a source given more than its size is
+    repeated, each pass in another order; one given less sees another subset every epoch. Nothing is
+    materialised: a rank's positions are computed in chunks as they are drawn.
+
+    As in DistributedSampler (so Lightning leaves it in place under DDP), `set_epoch` sets the epoch and
+    rank r of R takes every R-th position, the last partial round dropped. `start` (set by
+    `ResumableDataLoader.load_state_dict`) skips that many of this rank's samples on the next iteration only.
     """
 
-    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+    _CHUNK = 8192
+
+    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, seed: int = 0,
+                 counts: list[int] | None = None, weights: list[float] | None = None):
         super().__init__(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
+        self.counts = list(counts) if counts is not None else [len(dataset)]
+        self.offsets = np.cumsum([0] + self.counts).tolist()
+        total = self.offsets[-1]
+        self.allocation = mixture_allocation(self.counts, weights, total)
+        self.alloc_starts = np.cumsum([0] + self.allocation)
+        self.epoch_length = total
+        self.num_samples = total // self.num_replicas
+        self.total_size = self.num_samples * self.num_replicas
+        # Identifies the mixture in the loader's state: a resume over other sources or weights is refused.
+        digest = hashlib.sha256(repr((self.counts, self.allocation)).encode()).digest()
+        self.mixture_id = int.from_bytes(digest[:6], "little")
         self.start = 0
+        self._perms: dict[tuple[int, ...], Permutation] = {}
+
+    def _perm(self, n: int, *key: int) -> Permutation:
+        if key not in self._perms:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            self._perms[key] = Permutation(n, *key)
+        return self._perms[key]
+
+    def positions(self, first: int, stop: int) -> np.ndarray:
+        """Dataset indices of this rank's samples first .. stop-1 of the current epoch."""
+        k = self.rank + self.num_replicas * np.arange(first, stop, dtype=np.int64)
+        p = self._perm(self.epoch_length, self.seed, self.epoch).take(k)
+        source = np.searchsorted(self.alloc_starts, p, side="right") - 1
+        j = p - self.alloc_starts[source]
+        out = np.empty_like(p)
+        for s in np.unique(source):
+            here = source == s
+            count = self.counts[s]
+            passes = j[here] // count
+            windows = np.empty(int(here.sum()), dtype=np.int64)
+            for q in np.unique(passes):
+                sel = passes == q
+                windows[sel] = self._perm(count, self.seed, self.epoch, int(s), int(q)).take(j[here][sel] % count)
+            out[here] = self.offsets[s] + windows
+        return out
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
         start, self.start = self.start, 0
-        return iter(indices[start:])
+        for first in range(start, self.num_samples, self._CHUNK):
+            yield from self.positions(first, min(first + self._CHUNK, self.num_samples)).tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def mixture_allocation(counts: list[int], weights: list[float] | None, total: int) -> list[int]:
+    """Samples of each source in an epoch of `total`: proportional to `weights` (default: the counts)."""
+    if weights is None:
+        return list(counts)
+    shares = np.asarray(weights, dtype=np.float64)
+    shares = shares / shares.sum() * total
+    allocation = np.floor(shares).astype(np.int64)
+    # Largest remainders first, ties to the earlier source: deterministic.
+    for s in np.argsort(-(shares - allocation), kind="stable")[: total - int(allocation.sum())]:
+        allocation[s] += 1
+    return allocation.tolist()
 
 
 class ResumableDataLoader(DataLoader):
@@ -96,6 +151,7 @@ class ResumableDataLoader(DataLoader):
         sampler = self.sampler
         return {
             "num_samples": len(self.dataset),
+            "mixture": getattr(sampler, "mixture_id", 0),
             "batch_size": self.batch_size,
             "num_replicas": getattr(sampler, "num_replicas", 1),
             "seed": getattr(sampler, "seed", 0),
@@ -113,6 +169,7 @@ class ResumableDataLoader(DataLoader):
         pairs = {
             "num_samples": (saved["num_samples"], now["num_samples"]),
             "seed": (saved["seed"], now["seed"]),
+            "the mixture (windows and weights of each source)": (saved["mixture"], now["mixture"]),
             "the global batch (batch_size x num_replicas)": (
                 saved["batch_size"] * saved["num_replicas"],
                 now["batch_size"] * now["num_replicas"],

@@ -3,6 +3,8 @@ or any Hugging Face tokenizer name or path."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -39,3 +41,14 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedT
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
+    """Short hash of everything that decides the token ids a text gets (and so a prepared corpus' tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        payload = backend.to_str()  # the full tokenizer.json: model, vocab, merges, added tokens
+    else:
+        payload = json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    payload += f"|{type(tokenizer).__name__}|eos={tokenizer.eos_token_id}"
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
