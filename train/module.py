@@ -105,6 +105,16 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         self.degrees = parallel_degrees(parallel)
         if nonfinite_loss not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r}; use one of {NONFINITE_POLICIES}.")
+        # The embedding must hold every id the tokenizer gives; a larger one (a padded vocabulary) is kept.
+        embedding = model_config.get("vocab_size")
+        if embedding is not None and embedding < vocab_size:
+            raise ValueError(
+                f"model.config.vocab_size={embedding} cannot hold the {vocab_size} token ids of the tokenizer "
+                f"(data.tokenizer); drop model.config.vocab_size (the tokenizer's is taken) or give >= {vocab_size}."
+            )
+        if embedding is not None:
+            model_config = {k: v for k, v in model_config.items() if k != "vocab_size"}
+            vocab_size = embedding
         # Plain values only, so checkpoints and loggers record exactly what built the model.
         self.save_hyperparameters()
         if init_from:
@@ -112,6 +122,12 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
             # starts fit from the mode it finds.
             self.model = models.get(model_name).model_class.from_pretrained(init_from).train()
             config = self.model.config
+            if config.vocab_size < vocab_size:
+                raise ValueError(
+                    f"init_from={init_from} has an embedding of {config.vocab_size} token ids, fewer than the "
+                    f"{vocab_size} of the tokenizer (data.tokenizer); train with the tokenizer it was made with "
+                    f"(data.tokenizer={init_from})."
+                )
             # A field the architecture does not know (a typo in model.config) is refused, as on every other path.
             check_fields(type(config), model_config)
             differ = {k: v for k, v in {**model_config, "vocab_size": vocab_size}.items() if getattr(config, k, v) != v}
