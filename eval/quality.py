@@ -10,7 +10,7 @@ A Hydra app over `conf/quality.yaml`:
    refused, naming the tensors (`models.checkpoint.check_finite_weights`): their perplexity would be
    nan and every generated token eos;
 2. measures the validation perplexity on the bundled corpus: `train.metrics.evaluate_loss` (the loss the
-   trainer validates with) over `LMDataModule(...).val_dataloader()`, token-weighted over packed blocks
+   trainer validates with) over `LMDataModule(...).val_dataloader()`, token-weighted over packed windows
    of `perplexity.seq_len`;
 3. runs lm-eval's `simple_evaluate` through `eval.lm_eval_adapter.ZooLM` on the bundled offline tasks
    (`eval/tasks`) and on `tasks.hub` tasks by name; a hub task is recorded as "skipped: offline" when

@@ -271,3 +271,29 @@ def _anonymous_kb() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1])
     raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_pretrain_on_a_mixture_reports_validation_per_source(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_train import REPO, TINY
+    from train.pretrain import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    dm = _mixture(tmp_path)
+    sources = ", ".join(f"{{path: '{e['path']}', weight: {e['weight']}, name: {e['name']}}}" for e in dm.entries)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=[
+            *TINY, "trainer=cpu", "logger=csv", "trainer.max_steps=2", f"data.sources=[{sources}]",
+            "trainer.limit_val_batches=1.0",
+            f"paths.output_dir={tmp_path / 'run'}",
+        ])
+    train(cfg)
+    metrics = (tmp_path / "run" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    assert {"val/loss", "val/loss/big", "val/loss/small"} <= set(header)
+    last = [row.split(",") for row in metrics[1:] if row.split(",")[header.index("val/loss/big")]][-1]
+    overall, big, small = (float(last[header.index(k)]) for k in ("val/loss", "val/loss/big", "val/loss/small"))
+    # The overall loss is the token-weighted mean of the sources' (every row predicts seq_len - 1 tokens).
+    rows = dm.val_dataset.counts
+    assert all(rows) and overall == pytest.approx((big * rows[0] + small * rows[1]) / sum(rows), rel=1e-5)

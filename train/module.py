@@ -416,7 +416,8 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         if self._val_source_names:
             per_source = self.trainer.strategy.reduce(self._val_per_source, reduce_op="sum")
             for name, (loss_sum, tokens) in zip(self._val_source_names, per_source.tolist(), strict=True):
-                self.log(f"val/loss/{name}", loss_sum / max(tokens, 1.0), sync_dist=True)
+                if tokens > 0:  # a source the validation batches did not reach (limit_val_batches) is not logged
+                    self.log(f"val/loss/{name}", loss_sum / tokens, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.val_history.append((self.trainer.global_step, loss, ppl))
 
@@ -430,4 +431,7 @@ class PrintValPerplexity(L.Callback):
             return
         loss = float(trainer.callback_metrics["val/loss"])
         ppl = float(trainer.callback_metrics["val/ppl"])
-        log.info(f"[val] step {trainer.global_step:>6d}  val/loss {loss:.4f}  val/ppl {ppl:.2f}")
+        per_source = "".join(
+            f"  {key} {float(value):.4f}" for key, value in trainer.callback_metrics.items() if key.startswith("val/loss/")
+        )
+        log.info(f"[val] step {trainer.global_step:>6d}  val/loss {loss:.4f}  val/ppl {ppl:.2f}{per_source}")

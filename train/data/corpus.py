@@ -38,7 +38,7 @@ class Work:
 
 
 def cache_dir() -> Path:
-    """Where packed token streams (and the `datasets` cache of the bundled corpus) are kept."""
+    """Where prepared corpora (`prepared/`) and the `datasets` cache of the bundled corpus are kept."""
     return Path(os.environ.get("OVERLAP_ZOO_CACHE") or Path.home() / ".cache" / "overlap-zoo")
 
 

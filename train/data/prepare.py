@@ -180,7 +180,11 @@ def _batches(stream: Iterator[tuple[str, str]]) -> Iterator[tuple[list[str], lis
 
 
 def _in_order(batches: Iterator, num_proc: int, tokenizer_name: str | None, dtype: str) -> Iterator:
-    """`_encode` over `batches` by `num_proc` processes, results in input order, a bounded number in flight."""
+    """`_encode` over `batches` by `num_proc` processes, results in input order, a bounded number in flight.
+
+    The tokenizers library would also spread each batch over every core with threads of its own; off here,
+    so that `num_proc` processes use `num_proc` cores (and forked workers do not inherit a thread pool)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if num_proc == 1:
         _init_worker(tokenizer_name)
         for batch in batches:
