@@ -297,3 +297,22 @@ def test_pretrain_on_a_mixture_reports_validation_per_source(tmp_path, monkeypat
     # The overall loss is the token-weighted mean of the sources' (every row predicts seq_len - 1 tokens).
     rows = dm.val_dataset.counts
     assert all(rows) and overall == pytest.approx((big * rows[0] + small * rows[1]) / sum(rows), rel=1e-5)
+
+
+def test_concurrent_preparers_of_one_folder_prepare_it_once(tmp_path):
+    import subprocess
+
+    _write_jsonl(tmp_path / "corpus" / "train.jsonl", 6000)
+    script = (
+        "import sys; from train import data; "
+        "data.prepare_corpus(data.SourceSettings(sys.argv[1]), folder=sys.argv[2], num_proc=1, progress=False)"
+    )
+    command = [sys.executable, "-c", script, str(tmp_path / "corpus"), str(tmp_path / "p")]
+    procs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert data.read_manifest(tmp_path / "p") is not None
+    # One took the lock and tokenized; the other waited (if it came while the first held it) and read.
+    assert sum("Waiting for another process preparing" in e for e in errors) <= 1
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["manifest.json", "train-00000.bin",
+                                                                  "validation-00000.bin"]

@@ -23,12 +23,14 @@ import collections
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +48,7 @@ PROGRESS = "progress.json"
 SPLITS = ("train", "validation")
 _BATCH_CHARS = 1 << 20  # text per work unit (~1 MB): small enough to keep every worker busy
 _PROGRESS_EVERY = 64  # work units between progress records
+_INLINE_BATCHES = 16  # work units tokenized in this process before the workers start
 
 
 @dataclass
@@ -182,26 +185,34 @@ def _batches(stream: Iterator[tuple[str, str]]) -> Iterator[tuple[list[str], lis
 def _in_order(batches: Iterator, num_proc: int, tokenizer_name: str | None, dtype: str) -> Iterator:
     """`_encode` over `batches` by `num_proc` processes, results in input order, a bounded number in flight.
 
-    The tokenizers library would also spread each batch over every core with threads of its own; off here,
-    so that `num_proc` processes use `num_proc` cores (and forked workers do not inherit a thread pool)."""
+    The workers come from a fork server (a fresh single-threaded process), not a fork of this one: this
+    process has threads (pyarrow's, torch's) whose locks a forked child could inherit held. A worker that
+    dies ends the preparation with an error (`BrokenProcessPool`), never a hang. The tokenizers library
+    would also spread each batch over every core with threads of its own; off here, so that `num_proc`
+    processes use `num_proc` cores."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # The first batches are tokenized here: a corpus that small (the bundled one) is done before worker
+    # processes would have started. Larger ones go on in the workers.
+    _init_worker(tokenizer_name)
+    for batch in batches if num_proc == 1 else itertools.islice(batches, _INLINE_BATCHES):
+        yield len(batch[0]), _encode(batch, dtype)
     if num_proc == 1:
-        _init_worker(tokenizer_name)
-        for batch in batches:
-            yield len(batch[0]), _encode(batch, dtype)
         return
-    # fork: the workers start at once, with this process' imports; the tokenizers are loaded in each.
-    context = multiprocessing.get_context("fork")
-    with context.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer_name,)) as pool:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train.data.prepare"])  # imported once by the server, not by each worker
+    pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(tokenizer_name,))
+    try:
         pending: collections.deque = collections.deque()
         for batch in batches:
-            pending.append((len(batch[0]), pool.apply_async(_encode, (batch, dtype))))
+            pending.append((len(batch[0]), pool.submit(_encode, batch, dtype)))
             if len(pending) >= 2 * num_proc:
-                n, result = pending.popleft()
-                yield n, result.get()
+                n, future = pending.popleft()
+                yield n, future.result()
         while pending:
-            n, result = pending.popleft()
-            yield n, result.get()
+            n, future = pending.popleft()
+            yield n, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------------- preparing
