@@ -316,3 +316,12 @@ def test_concurrent_preparers_of_one_folder_prepare_it_once(tmp_path):
     assert sum("Waiting for another process preparing" in e for e in errors) <= 1
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["manifest.json", "train-00000.bin",
                                                                   "validation-00000.bin"]
+
+
+def test_a_prepared_dir_of_files_that_changed_is_refused(tmp_path):
+    corpus = _write_jsonl(tmp_path / "corpus" / "train.jsonl", 300)
+    kwargs = {"source": str(corpus.parent), "prepared_dir": str(tmp_path / "p"), "seq_len": 16, "batch_size": 2}
+    data.LMDataModule(**kwargs).setup()
+    _write_jsonl(corpus, 310)  # another corpus under the same name
+    with pytest.raises(data.DataError, match=r"prepared from other files .* overwrite=true"):
+        data.LMDataModule(**kwargs).setup()

@@ -111,11 +111,11 @@ class LMDataModule(L.LightningDataModule):
                 continue
             settings = replace(self.settings, source=path)
             folder = entry["prepared_dir"] or default_prepared_dir(settings, self._tokenizer_id)
-            folder = Path(folder).expanduser()
-            if read_manifest(folder) is None or overwrite:
+            # Prepared now if missing; a folder prepared from other files, a split or a tokenizer is refused.
+            folders.append(
                 prepare_corpus(settings, self.tokenizer_name, folder=folder, num_proc=self.num_proc,
-                        shard_tokens=self.shard_tokens, overwrite=overwrite, progress=progress)
-            folders.append(folder)
+                               shard_tokens=self.shard_tokens, overwrite=overwrite, progress=progress)
+            )
         return folders
 
     def prepare_data(self) -> None:

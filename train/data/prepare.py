@@ -276,19 +276,29 @@ def prepare_corpus(
     if num_proc < 1 or shard_tokens < 1:
         raise DataError(f"data.num_proc={num_proc} and data.shard_tokens={shard_tokens} must be at least 1.")
     key = preparation_key(settings, tokenizer_id)
+    if _complete(folder, key, tokenizer_id, tokenizer_name, overwrite):
+        return folder  # read without the lock: a prepared folder may sit on a read-only file system
     with _locked(folder):
-        manifest = read_manifest(folder)
-        if manifest is not None and not overwrite:
-            check_manifest(manifest, folder, tokenizer_id, str(tokenizer_name or "null"))
-            if manifest["key"] != key:
-                raise DataError(
-                    f"{folder} holds a prepared corpus of another source or split ({manifest['key']['source']}); "
-                    "give another data.prepared_dir, or overwrite=true to prepare this source there."
-                )
-            return folder
+        if _complete(folder, key, tokenizer_id, tokenizer_name, overwrite):
+            return folder  # another process prepared it while this one waited
         state = _start(folder, key, overwrite)
         _run(folder, settings, tokenizer, tokenizer_name, key, state, num_proc, shard_tokens, progress)
     return folder
+
+
+def _complete(folder: Path, key: dict, tokenizer_id: str, tokenizer_name: str | None, overwrite: bool) -> bool:
+    """Whether `folder` holds this source prepared with this tokenizer (another one is refused)."""
+    manifest = read_manifest(folder)
+    if manifest is None or overwrite:
+        return False
+    check_manifest(manifest, folder, tokenizer_id, str(tokenizer_name or "null"))
+    if manifest["key"] != key:
+        raise DataError(
+            f"{folder} holds a corpus prepared from other files or split settings than data.source="
+            f"{key['source']['source']!r} now has; prepare it again (python -m train.prepare_data ... "
+            "overwrite=true) or give another data.prepared_dir."
+        )
+    return True
 
 
 def _start(folder: Path, key: dict[str, Any], overwrite: bool) -> dict[str, Any]:
