@@ -12,7 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import models
-from train.data import CORPUS, is_local_source
+from train.data import CORPUS, SourceSettings, is_local_source
 from train.module import NONFINITE_POLICIES
 from train.parallel_config import check_degrees, engine_settings, parallel_degrees
 
@@ -38,6 +38,12 @@ def check_config(cfg: DictConfig) -> None:
         is_local_source(str(cfg.data.tokenizer), "data.tokenizer")
     if cfg.data.get("source", CORPUS) != CORPUS:
         is_local_source(str(cfg.data.source), "data.source")
+    if cfg.data.get("sources") is None:
+        # A hub-only setting on a local source, an empty file: said before anything is built.
+        SourceSettings(
+            str(cfg.data.get("source", CORPUS)), cfg.data.get("hf_config"), cfg.data.get("text_column", "text"),
+            cfg.data.get("validation_fraction", 0.1), cfg.data.get("split_seed", 0),
+        ).check()
 
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     devices, num_nodes = cfg.trainer.get("devices", "auto"), cfg.trainer.get("num_nodes", 1)
