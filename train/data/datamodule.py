@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from train.data.corpus import CORPUS
 from train.data.documents import DataError, SourceSettings
-from train.data.loader import ResumableDataLoader, ResumableSampler
+from train.data.loader import InOrderSampler, ResumableDataLoader, ResumableSampler
 from train.data.prepare import (
     MANIFEST,
     check_manifest,
@@ -191,10 +191,11 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         if self.val_dataset is None:
             self.setup("validate")
+        num_replicas, rank = self._data_parallel()
         return DataLoader(
             self.val_dataset,
             batch_size=self.batch_size,
-            shuffle=False,
+            sampler=InOrderSampler(self.val_dataset, num_replicas=num_replicas, rank=rank),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

@@ -85,6 +85,19 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples
 
 
+class InOrderSampler(DistributedSampler):
+    """The validation order: every index in order, rank r of R taking every R-th (DistributedSampler without
+    shuffling, the last round padded from the start), computed as it is drawn rather than held as a list."""
+
+    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        for position in range(self.rank, self.total_size, self.num_replicas):
+            yield position % n
+
+
 def mixture_allocation(counts: list[int], weights: list[float] | None, total: int) -> list[int]:
     """Samples of each source in an epoch of `total`: proportional to `weights` (default: the counts)."""
     if weights is None:
