@@ -318,6 +318,13 @@ def _start(folder: Path, key: dict[str, Any], overwrite: bool) -> dict[str, Any]
                 "(overwrite=true starts over).",
                 file=sys.stderr,
             )
+            # Shards begun after the last record are written again from there.
+            kept = {shard["file"] for split in SPLITS for shard in recorded["splits"][split]}
+            for path in folder.glob("*.bin"):
+                if path.name not in kept:
+                    path.unlink()
+    elif overwrite and folder.exists() and any(folder.iterdir()):
+        print(f"{folder}: overwrite=true, preparing it again from the start.", file=sys.stderr)
     if recorded is None:
         if folder.exists() and any(folder.iterdir()):
             ours = all(p.name.endswith((".bin", ".tmp")) or p.name in (MANIFEST, PROGRESS) for p in folder.iterdir())
