@@ -160,7 +160,9 @@ def report(results: dict) -> str:
         "'command to fit start' is the time from the command to the run's log line of its step-0 validation "
         f"({results['settings']['max_val_batches']} batches), after which `fit` starts; 'command to end' "
         f"includes {results['settings']['train_steps']} steps, the final validation, checkpoint and export. "
-        "Peak RSS is the training process' largest resident set (`getrusage` of the finished child).",
+        "Peak RSS is the training process' largest resident set (`getrusage` of the finished child). The "
+        "loader reads windows at random positions of the shards: its rate depends on how much of them the "
+        "kernel's page cache holds at the time.",
         "",
     ]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ SEEDS = "reports/quality-seeds/results.json"
 VALIDATION = "reports/simulator-validation/validation.json"
 DEMO = "reports/demo/tour.json"
 COSTMODEL = "reports/costmodel/costmodel.json"
+DATA_PIPELINE = "reports/data-pipeline/results.json"
 LADDER_CONVERSIONS = "reports/ladder-conversion/results.json"
 # Conversions of a trained llama: (label, the report's JSON, the name of its converted model in `val`).
 CONVERSIONS = [
@@ -170,6 +171,21 @@ def costmodel(rel: str) -> list[str]:
     ]
 
 
+def data_pipeline(rel: str) -> list[str]:
+    """Preparation and training on corpora of growing size, from the data pipeline's benchmark."""
+    report = _load(DATA_PIPELINE)
+    lines = ["| corpus | step | processes | tokens | seconds | tokens/s | peak RSS |", "|---|---|---|---|---|---|---|"]
+    for row in report["prepare"]:
+        lines.append(f"| {row['corpus_bytes'] / 1e9:.1f} GB | prepare | {row['num_proc']} | {row['tokens']:,} | "
+                     f"{row['seconds']:.0f} | {row['tokens_per_s']:,} | - |")
+    for row in report["train"]:
+        lines.append(f"| {row['corpus_bytes'] / 1e9:.1f} GB | train: command to fit | 1 | {row['train_tokens']:,} | "
+                     f"{row['seconds_to_fit_start']} | loader {row['loader_tokens_per_s']:,}, trainer "
+                     f"{row['trainer_tokens_per_s']:,} | {row['peak_rss_mb']} MB |")
+    return lines + ["", f"From [reports/data-pipeline]({rel}reports/data-pipeline/README.md) (`python -m eval.bench_data`, "
+                    f"{report['machine']})."]
+
+
 def seeds(rel: str) -> list[str]:
     report = _load(SEEDS)
     lines = [
@@ -263,6 +279,7 @@ TABLES: dict[str, Callable[[str], list[str]]] = {
     "validation": validation,
     "costmodel": costmodel,
     "seeds": seeds,
+    "data-pipeline": data_pipeline,
     "conversions": conversions,
     "ladder-speed": ladder_speed,
     "ladder-quality": ladder_quality,

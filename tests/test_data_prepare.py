@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_data import _ids
 from train import data
 from train.data.documents import in_validation
 from train.module import CausalLMModule
@@ -187,15 +188,6 @@ def test_a_mixture_takes_each_source_by_weight(tmp_path):
     # Per-source validation: every validation row says which source it is from.
     sources = torch.cat([batch["source"] for batch in dm.val_dataloader()])
     assert set(sources.tolist()) == {0, 1} and dm.source_names == ["big", "small"]
-
-
-def _ids(loader, limit=None):
-    out = []
-    for batch in loader:
-        out.append(batch["input_ids"])
-        if limit is not None and len(out) == limit:
-            break
-    return out
 
 
 def test_a_mixture_resumes_exactly_mid_epoch(tmp_path):
