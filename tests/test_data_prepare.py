@@ -317,3 +317,24 @@ def test_a_prepared_dir_of_files_that_changed_is_refused(tmp_path):
     _write_jsonl(corpus, 310)  # another corpus under the same name
     with pytest.raises(data.DataError, match=r"prepared from other files .* overwrite=true"):
         data.LMDataModule(**kwargs).setup()
+
+
+def test_parquet_and_text_sources_give_the_documents_tokens(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"the king speaks {i} times" for i in range(40)]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"body": texts}), tmp_path / "pq" / "train.parquet")
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "train.txt").write_text("\n".join(texts) + "\n")
+    (tmp_path / "txt" / "validation.txt").write_text("a held out line\n")
+    tokenizer = data.load_tokenizer()
+    parquet = data.prepare_corpus(data.SourceSettings(str(tmp_path / "pq"), text_column="body"),
+                                  folder=tmp_path / "a", progress=False)
+    text = data.prepare_corpus(data.SourceSettings(str(tmp_path / "txt")), folder=tmp_path / "b", progress=False)
+    both = _tokens(parquet, "train").tolist() + _tokens(parquet, "validation").tolist()
+    assert sorted(both) == sorted(t for s in texts for t in tokenizer.encode(s) + [tokenizer.eos_token_id])
+    # A file named validation* is the validation split; one document per line of a text file.
+    assert _tokens(text, "train").tolist() == [t for s in texts for t in tokenizer.encode(s) + [tokenizer.eos_token_id]]
+    assert data.read_manifest(text)["splits"]["validation"]["documents"] == 1
