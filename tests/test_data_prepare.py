@@ -338,3 +338,27 @@ def test_parquet_and_text_sources_give_the_documents_tokens(tmp_path):
     # A file named validation* is the validation split; one document per line of a text file.
     assert _tokens(text, "train").tolist() == [t for s in texts for t in tokenizer.encode(s) + [tokenizer.eos_token_id]]
     assert data.read_manifest(text)["splits"]["validation"]["documents"] == 1
+
+
+def test_source_edge_cases_are_one_error_or_work(tmp_path):
+    """A file as the source, an edited file, mixed file types, a non-text value, a corpus of one line."""
+    corpus = _write_jsonl(tmp_path / "c" / "train.jsonl", 300)
+
+    def tokens():
+        folder = data.LMDataModule(source=str(corpus), seq_len=16, batch_size=2).folders(progress=False)[0]
+        return _tokens(folder, "train")
+
+    before = tokens()
+    _write_jsonl(corpus, 300, seed=9)  # edited in place: another corpus, prepared again
+    assert not np.array_equal(before, tokens())
+    (tmp_path / "c" / "notes.txt").write_text("a line\n")
+    with pytest.raises(data.DataError, match=r"mixes file types"):
+        data.LMDataModule(source=str(tmp_path / "c"), seq_len=16, batch_size=2).setup()
+    (tmp_path / "n").mkdir()
+    (tmp_path / "n" / "train.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(data.DataError, match=r"data\.text_column='text' .* holds int values, not text"):
+        data.LMDataModule(source=str(tmp_path / "n"), seq_len=16, batch_size=2).setup()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "train.txt").write_text("just one line of text\n")
+    with pytest.raises(data.DataError, match=r"1 document|no window"):
+        data.LMDataModule(source=str(tmp_path / "one"), seq_len=16, batch_size=2).setup()

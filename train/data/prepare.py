@@ -372,7 +372,7 @@ def _run(folder, settings, tokenizer, tokenizer_name, key, state, num_proc, shar
         for writer in writers.values():
             writer.close()
         if done["train"].tokens == 0:
-            raise DataError(f"data.source={settings.source!r} holds no text: its train split tokenized to 0 tokens.")
+            raise DataError(_no_train_tokens(settings, read, done["validation"].documents))
     except DataError:
         # A bad input: nothing is kept, so that no later run takes the folder for a start.
         for writer in writers.values():
@@ -410,6 +410,19 @@ def _run(folder, settings, tokenizer, tokenizer_name, key, state, num_proc, shar
     }
     _write_json(folder / MANIFEST, manifest)  # the folder is complete from here on
     (folder / PROGRESS).unlink()
+
+
+def _no_train_tokens(settings: SourceSettings, documents_read: int, validation_documents: int) -> str:
+    where = f"data.source={settings.source!r}"
+    if documents_read == 0:
+        return f"{where} holds no documents; give it text."
+    if validation_documents:
+        return (
+            f"{where} holds {documents_read} document(s), all of them drawn into the validation split "
+            f"(data.validation_fraction={settings.validation_fraction}); give it more documents (or a train* and a "
+            "validation* file)."
+        )
+    return f"{where} holds {documents_read} document(s), all of them empty; give it text."
 
 
 def _progress_bar(enabled: bool, folder: Path, initial: int):
