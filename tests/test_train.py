@@ -213,3 +213,21 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     torch.save({"hyper_parameters": {**module.hparams, "model_config": {**config, "hidden_size": 64}}}, ckpt)
     with pytest.raises(ValueError, match="model.config.hidden_size=64 there but 32 here"):
         check_checkpoint_fits(str(ckpt), module)
+
+
+@pytest.mark.parametrize("val_every", [3, 4], ids=["last-step-validated", "validated-after-fit"])
+def test_the_final_checkpoint_keeps_the_data_position(tmp_path, val_every):
+    """A finished run continued to a higher max_steps goes on with the epoch's next batch, whether or not its
+    last step was a validation step (if not, train.pretrain validates after fit, outside the fit loop)."""
+    common = [*TINY, "trainer=cpu", "logger=none", f"trainer.val_check_interval={val_every}"]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+
+    def position():
+        checkpoint = torch.load(last, weights_only=False)
+        (state,) = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        return checkpoint["global_step"], state["epoch"], state["batches_consumed"]
+
+    train(compose_pretrain([*common, "trainer.max_steps=6"], tmp_path / "run"))
+    assert position() == (6, 0, 6)
+    train(compose_pretrain([*common, "trainer.max_steps=10"], tmp_path / "run"))
+    assert position() == (10, 0, 10)  # 4 more batches of the same epoch, not a restarted one

@@ -68,6 +68,13 @@ class OptimizationHooks:
         # the horizon of the schedule the steps so far followed, for the note on resume
         checkpoint["max_steps"] = self.trainer.max_steps
         count_cut_epoch_as_unfinished(checkpoint, self.trainer)
+        keep_train_loader_position(checkpoint, getattr(self, "_train_loader_states", None))
+
+    def on_train_end(self) -> None:
+        # The train loader's position as fit leaves it: a validation after fit (train.pretrain's final one)
+        # attaches the data anew and Lightning's fit loop forgets its loader before the final checkpoint.
+        loader = self.trainer.train_dataloader
+        self._train_loader_states = [loader.state_dict()] if hasattr(loader, "state_dict") else None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.val_at_start = checkpoint.get("val_at_start")
@@ -135,3 +142,13 @@ def count_cut_epoch_as_unfinished(checkpoint: dict, trainer: L.Trainer) -> None:
         for progress in (epoch["total"], epoch["current"]):
             progress["processed"] -= 1
             progress["completed"] -= 1
+
+
+def keep_train_loader_position(checkpoint: dict, states: list[dict] | None) -> None:
+    """A checkpoint written after fit (the final one, after a validation outside fit) gets the train loader's
+    position that fit ended at, where Lightning's fit loop no longer has a loader to ask: a run continued
+    from it (a higher max_steps) then takes the next batch of the epoch, as the run that never stopped does."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if fit is None or not states or fit.get("state_dict", {}).get("combined_loader"):
+        return
+    fit.setdefault("state_dict", {})["combined_loader"] = states
