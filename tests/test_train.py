@@ -231,3 +231,18 @@ def test_the_final_checkpoint_keeps_the_data_position(tmp_path, val_every):
     assert position() == (6, 0, 6)
     train(compose_pretrain([*common, "trainer.max_steps=10"], tmp_path / "run"))
     assert position() == (10, 0, 10)  # 4 more batches of the same epoch, not a restarted one
+
+
+def test_a_continued_run_logs_its_steps_at_the_uninterrupted_numbers(tmp_path):
+    common = [*TINY, "trainer=cpu", "logger=csv", "trainer.val_check_interval=4"]
+
+    def train_steps(run: Path, version: int) -> list[int]:
+        rows = (run / "csv" / f"version_{version}" / "metrics.csv").read_text().splitlines()
+        header = rows[0].split(",")
+        return [int(r.split(",")[header.index("step")]) for r in rows[1:] if r.split(",")[header.index("train/loss")]]
+
+    train(compose_pretrain([*common, "trainer.max_steps=8"], tmp_path / "once"))
+    train(compose_pretrain([*common, "trainer.max_steps=4"], tmp_path / "twice"))
+    train(compose_pretrain([*common, "trainer.max_steps=8"], tmp_path / "twice"))
+    assert train_steps(tmp_path / "once", 0) == list(range(8))
+    assert train_steps(tmp_path / "twice", 0) + train_steps(tmp_path / "twice", 1) == list(range(8))

@@ -69,6 +69,7 @@ class OptimizationHooks:
         checkpoint["max_steps"] = self.trainer.max_steps
         count_cut_epoch_as_unfinished(checkpoint, self.trainer)
         keep_train_loader_position(checkpoint, getattr(self, "_train_loader_states", None))
+        log_steps_as_saved_in_fit(checkpoint, self.trainer)
 
     def on_train_end(self) -> None:
         # The train loader's position as fit leaves it: a validation after fit (train.pretrain's final one)
@@ -152,3 +153,16 @@ def keep_train_loader_position(checkpoint: dict, states: list[dict] | None) -> N
     if fit is None or not states or fit.get("state_dict", {}).get("combined_loader"):
         return
     fit.setdefault("state_dict", {})["combined_loader"] = states
+
+
+def log_steps_as_saved_in_fit(checkpoint: dict, trainer: L.Trainer) -> None:
+    """The loggers' step counter of a checkpoint written after fit, as a checkpoint written inside it has it.
+
+    Inside fit, checkpoints are written at the end of a batch, before Lightning counts the batch for the
+    loggers (`_batches_that_stepped` = global_step - 1), and a restart adds the one back. A checkpoint
+    written after fit (the final one) holds the counter already advanced; restarted from it, every step
+    would be logged one higher than in the run that never stopped."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    state = (fit or {}).get("epoch_loop.state_dict")
+    if state is not None and trainer.global_step > 0 and state.get("_batches_that_stepped") == trainer.global_step:
+        state["_batches_that_stepped"] = trainer.global_step - 1
