@@ -328,3 +328,8 @@ def test_lightning_resumes_mid_epoch_exactly(shared_cache, tmp_path):
         assert trainer.global_step == total
         assert len(seen) == total - step, step
         assert all(torch.equal(a, b) for a, b in zip(seen, reference[step:], strict=True)), step
+
+
+def test_a_folder_without_a_tokenizer_is_one_error(tmp_path):
+    with pytest.raises(OSError, match=r"tokenizer='.*' holds no tokenizer \(tokenizer\.json / tokenizer_config\.json\)"):
+        data.load_tokenizer(str(tmp_path))

@@ -13,6 +13,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from train.data.hub import hub_problem, is_local_source
 
 TOKENIZER_DIR = Path(__file__).parents[1] / "tokenizer"
+# What a folder saved by `save_pretrained` holds for a tokenizer (a fast one's file, or a slow one's config).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
@@ -22,7 +24,14 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedT
     mode, or no answer within `HUB_PROBE_TIMEOUT_S`); transformers would retry for most of a minute.
     """
     name = str(TOKENIZER_DIR if name_or_path is None else name_or_path)
-    problem = None if is_local_source(name, "tokenizer") else hub_problem()
+    local = is_local_source(name, "tokenizer")
+    problem = None if local else hub_problem()
+    folder = Path(name).expanduser()
+    if local and (not folder.is_dir() or not any((folder / f).exists() for f in _TOKENIZER_FILES)):
+        raise OSError(
+            f"tokenizer={name!r} holds no tokenizer ({' / '.join(_TOKENIZER_FILES)}); give a folder written by "
+            "save_pretrained (a run's hf/ folder has one), or data.tokenizer=null for the bundled tokenizer."
+        )
     try:
         # trust_remote_code=False: a zoo checkpoint's config.json names its bundled model code (auto_map),
         # which a tokenizer never needs; without it transformers would ask on the terminal.
