@@ -195,7 +195,18 @@ def get(name: str) -> ZooEntry:
 
 
 def build_config(name: str, **kwargs) -> PreTrainedConfig:
-    return get(name).config_class(**kwargs)
+    """The config of architecture `name` with fields `kwargs`; a ladder variant's is its sibling's under the
+    ladder schedule (`residual="ladder"`, every layer unless `ladder_layers` says otherwise)."""
+    entry = get(name)
+    sibling = standard_sibling(name)
+    if sibling is not None:
+        if kwargs.get("residual", "ladder") != "ladder":
+            raise ValueError(
+                f"{name} is {sibling} under the ladder residual schedule, but residual={kwargs['residual']!r} was "
+                f"given; use {sibling} for the standard residual (or ladder_layers=0)."
+            )
+        kwargs = {**kwargs, "residual": "ladder"}
+    return entry.config_class(**kwargs)
 
 
 def build_model(name: str, **kwargs) -> PreTrainedModel:

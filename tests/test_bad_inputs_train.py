@@ -460,3 +460,17 @@ def test_stopped_rank_is_named_killed_and_waited_for_aloud(tmp_path):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(stopped, 0)  # not left behind
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (["parallel.param_dtype=bfloat16"], r"parallel=none has no dp, ep or sp rank"),
+        (["parallel=tp2", "parallel.param_dtype=bfloat16"], r"parallel.tp=2 has no dp, ep or sp rank"),
+        (["parallel.dp=2", "parallel.fsdp=false", "parallel.param_dtype=float16"], r"parallel.fsdp=false"),
+    ],
+)
+def test_a_param_dtype_that_would_do_nothing_is_refused(overrides, why):
+    cfg = compose_pretrain(["trainer=cpu", *overrides], Path("unused"))
+    with pytest.raises(ValueError, match=rf"parallel.param_dtype=.* is FSDP's mixed precision.*\({why}.*bf16-mixed"):
+        check_config(cfg)

@@ -186,3 +186,14 @@ def test_to_ladder_converter_keeps_the_weights(name, tmp_path):
     x = ids()
     torch.testing.assert_close(converted(x).logits, rebuilt(x).logits, rtol=0, atol=0)
 
+
+
+def test_a_variant_name_builds_the_variant():
+    """`build_config` / `build_model` of `<name>_ladder` give the ladder schedule (every layer unless told),
+    not the standard sibling's config; a standard residual under a variant's name is refused."""
+    config = models.build_config("moe_ladder", **models.get("moe").tiny_config)
+    assert config.residual == "ladder" and config.ladder_layers == config.num_hidden_layers  # every layer
+    assert models.build_config("linear_ladder", **models.get("linear").tiny_config).residual == "ladder"
+    assert models.build_model("gqla_ladder", **models.get("gqla").tiny_config).config.residual == "ladder"
+    with pytest.raises(ValueError, match=r"moe_ladder is moe under the ladder residual schedule.*use moe"):
+        models.build_config("moe_ladder", residual="standard")

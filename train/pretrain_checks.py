@@ -64,9 +64,17 @@ def check_config(cfg: DictConfig) -> None:
     # Lightning starts trainer.devices processes on each of trainer.num_nodes nodes. The parallel degrees
     # say how many there must be; a mismatch would fail only once every process is up.
     degrees = parallel_degrees(cfg.get("parallel"))
-    engine_settings(cfg.get("parallel"))
+    engine = engine_settings(cfg.get("parallel"))
     world = math.prod(degrees.values())
     layout = " x ".join(f"parallel.{d}={n}" for d, n in degrees.items() if n > 1) or "parallel=none"
+    data_ranks = degrees["dp"] * degrees["ep"] * degrees["sp"]
+    if engine["param_dtype"] not in (None, "float32") and not (engine["fsdp"] and data_ranks > 1):
+        why = "parallel.fsdp=false" if not engine["fsdp"] else f"{layout} has no dp, ep or sp rank to shard over"
+        raise ValueError(
+            f"parallel.param_dtype={engine['param_dtype']} is FSDP's mixed precision, which this run does not use "
+            f"({why}): it would do nothing. Use trainer.precision=bf16-mixed (or 16-mixed) instead, or leave "
+            "parallel.param_dtype=null."
+        )
     strategy = cfg.trainer.get("strategy")
     if strategy is not None and world > 1:
         name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy

@@ -171,11 +171,14 @@ def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_n
     shape's fields (`model.config.<field>=`), the layout, engine, AC mode and batch the plan chose."""
     gpus = row["dp"] * row["ep"] * row["sp"] * row["tp"]
     nodes, per_node = max(1, gpus // gpus_per_node), min(gpus, gpus_per_node)
+    # bf16 compute: FSDP's mixed precision where FSDP shards over data ranks, Lightning's autocast otherwise
+    fsdp = row["fsdp"] and row["dp"] * row["ep"] * row["sp"] > 1
+    precision = "parallel.param_dtype=bfloat16" if fsdp else "trainer.precision=bf16-mixed"
     fields = " ".join(f"model.config.{k}={v}" for k, v in shape.items() if k != "name")
     return (
         f"torchrun --nnodes={nodes} --nproc-per-node={per_node} -m train.pretrain model={arch} {fields} "
         f"parallel.dp={row['dp']} parallel.tp={row['tp']} parallel.ep={row['ep']} parallel.sp={row['sp']} "
-        f"parallel.fsdp={str(row['fsdp']).lower()} parallel.param_dtype=bfloat16 "
+        f"parallel.fsdp={str(row['fsdp']).lower()} {precision} "
         f"trainer.activation_checkpointing={row['ac']} data.batch_size={row['micro_batch']} data.seq_len={seq_len} "
         f"trainer.accumulate_grad_batches={row['grad_accum']}"
     )
