@@ -474,3 +474,19 @@ def test_a_param_dtype_that_would_do_nothing_is_refused(overrides, why):
     cfg = compose_pretrain(["trainer=cpu", *overrides], Path("unused"))
     with pytest.raises(ValueError, match=rf"parallel.param_dtype=.* is FSDP's mixed precision.*\({why}.*bf16-mixed"):
         check_config(cfg)
+
+
+def test_a_run_directory_holds_one_run(tmp_path, caplog):
+    from train.run_lock import RunDirectoryInUse, hold_run_directory
+
+    with hold_run_directory(tmp_path):  # another run, alive, holds the directory
+        with pytest.raises(RunDirectoryInUse, match=r"is in use by another run \(pid \d+, started .*\)"):
+            run(tmp_path, "trainer.max_steps=1")
+        assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "hf").exists()
+    # A lock file left by a process that has ended: taken over, said in one line.
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / ".run.lock").write_text(f"pid {ended.stdout.strip()}, started earlier\n")
+    caplog.set_level(logging.INFO, logger="train.pretrain")
+    run(tmp_path, "trainer.max_steps=1")
+    assert "has ended; this run takes it over" in caplog.text
+    assert (tmp_path / "hf").is_dir()

@@ -69,6 +69,7 @@ from train.run_directory import (
     log_warning,
     readable_checkpoint,
 )
+from train.run_lock import end_with_launcher, hold_run_directory
 from train.strategy import ZooParallelStrategy
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def name_multirun_job(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig) -> dict:
     """Runs one pretraining job; returns its metrics and output paths (the same on every rank)."""
-    with process_group_of_this_run():
+    with process_group_of_this_run(), hold_run_directory(Path(cfg.paths.output_dir).resolve()):
         return _train(cfg)
 
 
@@ -369,6 +370,7 @@ def route_logs_to_hydra() -> None:
 @one_sentence_errors
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    end_with_launcher()
     route_logs_to_hydra()
     with one_sentence():
         try:
