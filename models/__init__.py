@@ -26,6 +26,7 @@ from models.registry import (
     get_converter,
     register,
     register_converter,
+    standard_sibling,
     variants,
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
@@ -182,5 +183,6 @@ __all__ = [
     "register_converter",
     "save_checkpoint",
     "to_stock",
+    "standard_sibling",
     "variants",
 ]

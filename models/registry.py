@@ -202,8 +202,9 @@ def build_config(name: str, **kwargs) -> PreTrainedConfig:
     if sibling is not None:
         if kwargs.get("residual", "ladder") != "ladder":
             raise ValueError(
-                f"{name} is {sibling} under the ladder residual schedule, but residual={kwargs['residual']!r} was "
-                f"given; use {sibling} for the standard residual (or ladder_layers=0)."
+                f"{name} is {sibling} under the ladder residual schedule, but its config says residual="
+                f"{kwargs['residual']!r}: set residual='ladder' (model.config.residual=ladder), or use {sibling} for "
+                "the standard residual."
             )
         kwargs = {**kwargs, "residual": "ladder"}
     return entry.config_class(**kwargs)

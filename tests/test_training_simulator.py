@@ -275,3 +275,34 @@ def test_memory_replay_of_units_of_several_modules(arch):
     c = models.get(arch).tiny_at({"tp": 1})
     memory = predict_training_memory(arch, c, TrainLayout(dp=2, seq_len=32))
     assert memory.activations_bytes > 0 and memory.peak_bytes > memory.params_bytes + memory.optimizer_bytes
+
+
+@pytest.mark.parametrize("arch", ["llama", "moe_ladder"])
+def test_the_planned_command_runs_as_printed(tmp_path, arch):
+    """The best layout's `train.pretrain` overrides compose, pass the pretraining checks and build the model they
+    name (the plan's fields added with ++, a ladder variant under its sibling's group)."""
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eval.plan import run_plan
+    from eval.simulator.heldout import _BENCH_YAML
+    from train.module import CausalLMModule
+    from train.pretrain_checks import check_config
+
+    model = [f"model={arch}"] if arch == "llama" else ["model=moe", f"model.name={arch}"]
+    overrides = [*model, "bench_shape=tiny", "bench_shape.vocab_size=8192", "gpus=2", "gpus_per_node=2",
+                 "seq_len=32", "micro_batches=[1]", "ac=[none]", "task=train"]  # fmt: skip
+    with initialize_config_dir(str(_BENCH_YAML.parent), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("plan", overrides=overrides), resolve=False)
+        printed = run_plan(cfg, tmp_path)["command"]
+        args = shlex.split(printed.split("-m train.pretrain", 1)[1])
+        pretrain = compose("pretrain", overrides=[*args, "trainer=cpu", f"paths.output_dir={tmp_path / 'run'}"])
+    check_config(pretrain)
+    module = CausalLMModule(
+        model_name=pretrain.model.name, model_config=OmegaConf.to_container(pretrain.model.config, resolve=True),
+        vocab_size=8192, optimizer=OmegaConf.to_container(pretrain.optimizer, resolve=True),
+    )
+    assert module.model.config.num_hidden_layers == 4 and module.model.config.vocab_size == 8192
+    assert (getattr(module.model.config, "residual", "standard") == "ladder") == arch.endswith("_ladder")

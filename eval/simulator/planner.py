@@ -174,9 +174,14 @@ def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_n
     # bf16 compute: FSDP's mixed precision where FSDP shards over data ranks, Lightning's autocast otherwise
     fsdp = row["fsdp"] and row["dp"] * row["ep"] * row["sp"] > 1
     precision = "parallel.param_dtype=bfloat16" if fsdp else "trainer.precision=bf16-mixed"
-    fields = " ".join(f"model.config.{k}={v}" for k, v in shape.items() if k != "name")
+    # `++`: a field the model group's config does not list is added (vocab_size among them: the embedding the plan
+    # sized, which holds a smaller tokenizer's ids too); a ladder variant is its sibling's group with the ladder
+    # schedule on every layer, as the variant's bench config has it.
+    fields = " ".join(f"++model.config.{k}={v}" for k, v in shape.items() if k != "name")
+    sibling = models.standard_sibling(arch)
+    model = f"model={sibling} model.config.residual=ladder" if sibling else f"model={arch}"
     return (
-        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} -m train.pretrain model={arch} {fields} "
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} -m train.pretrain {model} {fields} "
         f"parallel.dp={row['dp']} parallel.tp={row['tp']} parallel.ep={row['ep']} parallel.sp={row['sp']} "
         f"parallel.fsdp={str(row['fsdp']).lower()} {precision} "
         f"trainer.activation_checkpointing={row['ac']} data.batch_size={row['micro_batch']} data.seq_len={seq_len} "
