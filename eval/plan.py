@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 from eval import report
+from eval.simulator.device import DEVICES
 from eval.simulator.heldout import device_model
 from eval.simulator.planner import DEVICE_MEMORY_GIB, plan_generation, plan_training, pretrain_command
 
@@ -29,6 +30,7 @@ def run_plan(cfg: dict, out_dir: Path) -> dict:
     entry = models.get(arch)  # an unknown architecture: its one clear error, before any work
     shape = {k: v for k, v in cfg["bench_shape"].items() if k != "name"}
     overrides = dict(cfg.get("config_overrides") or {})
+    check_plan_inputs(cfg)
     device = device_model(cfg["compute"])
     memory = cfg["memory_gib"] if cfg["memory_gib"] is not None else DEVICE_MEMORY_GIB.get(cfg["compute"])
     if memory is None:
@@ -99,6 +101,35 @@ def plot(path: Path, result: dict) -> Path:
     return path
 
 
+def check_plan_inputs(cfg: dict) -> None:
+    """The settings the planner reads, each in its range: one error naming the setting and what fits."""
+    if cfg["compute"] not in DEVICES:
+        what = "measures on this machine (the bench's setting), it has no device to predict" if cfg["compute"] == "measured" else "is no device preset"
+        raise ValueError(f"compute={cfg['compute']!r} {what}; eval.plan predicts for one of {', '.join(sorted(DEVICES))}.")
+    tokens = cfg.get("global_batch_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"global_batch_tokens={tokens!r} must be null or a positive multiple of seq_len={cfg['seq_len']}.")
+    g = cfg.get("generate") or {}
+    for key in ("batch", "prompt_len", "new_tokens"):
+        if key in g and (isinstance(g[key], bool) or not isinstance(g[key], int) or g[key] < 1):
+            raise ValueError(f"generate.{key}={g[key]!r} must be an integer >= 1.")
+    latency = g.get("latency_ms")
+    if latency is not None and (isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency <= 0):
+        raise ValueError(f"generate.latency_ms={latency!r} must be null (no bound) or a positive number of milliseconds.")
+
+
+def no_layout(result: dict, cfg: dict) -> str:
+    """Why no layout was chosen: memory, or (generation) only the decode latency bound."""
+    fitting = [r for r in result["rows"] if r["fits"]]
+    if result["task"] == "generate" and fitting:
+        fastest = min(fitting, key=lambda r: r["decode_ms"])
+        return (f"No layout meets generate.latency_ms={cfg['generate']['latency_ms']}: the fastest decode step that "
+                f"fits is {fastest['decode_ms']:.2f} ms ({fastest['label']}). Raise the bound, or use a smaller batch.")
+    if result["task"] == "generate":
+        return "No layout fits in memory. Use a smaller batch or a shorter prompt, or GPUs with more memory."
+    return "No layout fits. Use more GPUs, a shorter sequence or full activation checkpointing."
+
+
 def markdown(result: dict, cfg: dict, image: Path) -> str:
     columns = TRAIN_COLUMNS if result["task"] == "train" else GENERATE_COLUMNS
     best = result["best"]
@@ -115,10 +146,7 @@ def markdown(result: dict, cfg: dict, image: Path) -> str:
         lines += [f"{cfg['gpus']} GPUs, sequences of {cfg['seq_len']} tokens, {result['global_batch_tokens']} tokens "
                   "per optimizer step.", ""]  # fmt: skip
     if best is None:
-        lines += [
-            "**No layout fits.** Use more GPUs, a shorter sequence or full activation checkpointing.",
-            "",
-        ]
+        lines += [f"**{no_layout(result, cfg)}**", ""]
     else:
         lines += [f"**Best:** {best['label']}.", ""]
         if result.get("command"):
@@ -147,7 +175,7 @@ def main(cfg: DictConfig) -> None:
     elif result["best"]:
         print(f"\n[plan] best: {result['best']['label']}")
     else:
-        print("\n[plan] no layout fits")
+        print(f"\n[plan] {no_layout(result, cfg)}")
     if "wandb" in (plain.get("logger") or {}):
         report.log_to_wandb(out_dir, project=plain["logger"]["wandb"].get("project", "overlap-zoo"), name="plan",
                             config={k: v for k, v in plain.items() if k not in ("paths", "hydra", "logger")},

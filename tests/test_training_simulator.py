@@ -306,3 +306,41 @@ def test_the_planned_command_runs_as_printed(tmp_path, arch):
     )
     assert module.model.config.num_hidden_layers == 4 and module.model.config.vocab_size == 8192
     assert (getattr(module.model.config, "residual", "standard") == "ladder") == arch.endswith("_ladder")
+
+
+def _plan_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eval.simulator.heldout import _BENCH_YAML
+
+    with initialize_config_dir(str(_BENCH_YAML.parent), version_base="1.3"):
+        return OmegaConf.to_container(compose("plan", overrides=["bench_shape=tiny", "gpus=2", "gpus_per_node=2",
+                                                                 "seq_len=32", *overrides]), resolve=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["compute=measured"], r"compute='measured' measures on this machine .* eval.plan predicts for one of"),
+        (["global_batch_tokens=-8192"], r"global_batch_tokens=-8192 must be null or a positive multiple of seq_len"),
+        (["task=generate", "generate.latency_ms=-1"], r"generate.latency_ms=-1 must be null .* positive"),
+        (["task=generate", "generate.batch=0"], r"generate.batch=0 must be an integer >= 1"),
+    ],
+)
+def test_plan_inputs_out_of_range_are_one_error(tmp_path, overrides, message):
+    from eval.plan import run_plan
+
+    with pytest.raises(ValueError, match=message):
+        run_plan(_plan_cfg(*overrides), tmp_path)
+
+
+def test_no_layout_says_when_only_the_latency_bound_misses(tmp_path):
+    from eval.plan import no_layout, run_plan
+
+    cfg = _plan_cfg("task=generate", "generate.batch=2", "generate.prompt_len=8", "generate.new_tokens=4",
+                    "generate.latency_ms=0.000001")
+    result = run_plan(cfg, tmp_path)
+    assert result["best"] is None and any(r["fits"] for r in result["rows"])
+    assert no_layout(result, cfg).startswith("No layout meets generate.latency_ms=1e-06: the fastest decode step")
+    assert "No layout meets generate.latency_ms" in (tmp_path / "README.md").read_text()
