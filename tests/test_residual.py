@@ -197,3 +197,10 @@ def test_a_variant_name_builds_the_variant():
     assert models.build_model("gqla_ladder", **models.get("gqla").tiny_config).config.residual == "ladder"
     with pytest.raises(ValueError, match=r"moe_ladder is moe under the ladder residual schedule.*model\.config\.residual=ladder"):
         models.build_config("moe_ladder", residual="standard")
+
+
+def test_to_ladder_refuses_a_source_already_under_the_ladder_schedule(tmp_path):
+    build("moe", residual="ladder", ladder_layers=2).save_pretrained(tmp_path)
+    converter = models.get_converter("moe_to_ladder")
+    with pytest.raises(ValueError, match=r"is already under the ladder residual schedule \(ladder_layers=2\)"):
+        converter.check(tmp_path, ladder_layers=0)

@@ -152,7 +152,16 @@ def to_ladder(model_class, source: str | Path, ladder_layers=None, **kwargs):
 
 
 def check_to_ladder(config_class, source: str | Path, ladder_layers=None) -> None:
-    """The config's own checks of `ladder_layers` for this checkpoint's layers, from its config alone."""
+    """The config's own checks of `ladder_layers` for this checkpoint's layers, from its config alone; a source
+    already under the ladder schedule is refused (converting it would only move which layers are laddered: a
+    change of the function that the report would call a conversion of the standard model)."""
+    saved = config_class.from_pretrained(source)
+    if getattr(saved, "residual", "standard") == "ladder":
+        raise ValueError(
+            f"{source} is already under the ladder residual schedule (ladder_layers={saved.ladder_layers!r}); its "
+            f"{config_class.model_type}_to_ladder conversion reads a checkpoint trained under the standard one. Train "
+            "it on as it is (model.init_from), or convert its standard-schedule checkpoint."
+        )
     config_class.from_pretrained(source, residual="ladder", ladder_layers=ladder_layers)
 
 
