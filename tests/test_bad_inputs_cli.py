@@ -10,6 +10,7 @@ interpreter's start-up.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -322,3 +323,31 @@ def test_replicate_resumes_its_own_report_and_refuses_anything_else(tmp_path):
         check_out_dir(cfg)
     cfg.overwrite = True
     check_out_dir(cfg)
+
+
+def test_an_output_path_that_is_a_file_is_refused_without_advising_overwrite(tmp_path):
+    from eval import gpu_check
+
+    out = tmp_path / "report.txt"
+    out.write_text("not a folder\n")
+    for flags in ([], ["--overwrite"]):  # --overwrite cannot turn a file into a folder: the same one line
+        with pytest.raises(SystemExit) as exited:
+            gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), *flags])
+        message = str(exited.value.code)
+        assert message.startswith("Error:") and "exists and is not a directory; choose another --out <dir>" in message
+        assert "--overwrite" not in message and out.read_text() == "not a folder\n"
+
+
+def test_the_advice_for_an_unreadable_checkpoint_works_as_given(tmp_path):
+    """`Cannot resume: ... start over with resume=never overwrite=true`: that command starts over."""
+    from tests.test_train import TINY, compose_pretrain
+    from train.pretrain import train
+
+    common = [*TINY, "trainer=cpu", "logger=none", "trainer.max_steps=2"]
+    train(compose_pretrain(common, tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])  # cut short
+    with pytest.raises(Exception, match=r"start over with resume=never overwrite=true") as refused:
+        train(compose_pretrain([*common, "resume=" + str(last)], tmp_path))
+    advice = re.search(r"start over with (resume=never overwrite=true)", str(refused.value)).group(1).split()
+    assert train(compose_pretrain([*common, *advice], tmp_path))["global_step"] == 2

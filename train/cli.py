@@ -276,16 +276,21 @@ def refuse_existing_output(
     holds results (anything but what Hydra writes into a fresh run directory, `.hydra/` and log files, or
     `keep`) is refused in one line naming it, unless `overwrite` (the user's `flag`). Returns whether
     something is there (and `overwrite` allows replacing it)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        # Not something an overwrite replaces: a file where the output folder should be.
+        raise same_on_every_rank(
+            OutputExistsError(f"The output directory {os.fspath(directory)} exists and is not a directory; "
+                              f"choose another {other}.")
+        )
     found = [name for name in results_in(directory, keep) if not _this_run(os.path.join(directory, name))]
     if not found:
         return False
     if overwrite:
         return True
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    kind = "already holds results" if os.path.isdir(directory) else "exists and is not a directory"
     raise same_on_every_rank(
         OutputExistsError(
-            f"The output directory {os.fspath(directory)} {kind} ({shown}); pass {flag} to replace them, "
+            f"The output directory {os.fspath(directory)} already holds results ({shown}); pass {flag} to replace them, "
             f"or choose another {other}."
         )
     )

@@ -81,8 +81,8 @@ def readable_checkpoint(ckpt_path: str, fall_back: bool) -> str:
                 return str(other)
     raise TrainingError(
         f"Cannot resume: {path} cannot be loaded ({problem}). It was probably cut short by a crash while "
-        "it was written (checkpoints are now written atomically, older versions were not). Move it away "
-        "or set resume=never to start over, or point resume=<path> at another checkpoint."
+        "it was written (checkpoints are written atomically; an older version's may not be). Move it away, "
+        "start over with resume=never overwrite=true, or point resume=<path> at another checkpoint."
     )
 
 
