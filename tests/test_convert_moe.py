@@ -230,7 +230,7 @@ def test_train_convert_upcycles_to_scmoe(trained_size_llama, tmp_path):
         ("llama", ["converter=llama_to_scmoe", "shortcut_position=3"], ValueError,
          r"shortcut_position=3 must be 1 .* or 2"),
         ("ladder", ["converter=llama_to_moe"], ValueError,
-         r"model_type='zoo_ladder', not a Llama; train\.convert converts 'llama', 'zoo_llama' checkpoints to MoE"),
+         r"model_type='zoo_ladder', not a Llama; train\.convert converts Llama checkpoints to MoE"),
         ("llama", ["converter=llama_to_ladder", "num_local_experts=4", "ladder_layers=1"], ValueError,
          r"num_local_experts=4: not an option of converter=llama_to_ladder, which takes: ladder_layers; .*"
          r"\(llama_to_moe, llama_to_scmoe\)"),

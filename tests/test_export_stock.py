@@ -250,3 +250,18 @@ def test_train_convert_export_stock(tmp_path):
     ids = IDS % len(tokenizer)
     with torch.no_grad():
         assert relative_gap(stock(ids).logits, zoo(ids).logits) < 1e-5
+
+
+def test_export_stock_of_a_stock_checkpoint_is_one_line_naming_what_it_reads(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from train.convert import check_source
+
+    MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                     num_experts_per_tok=1)).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ValueError) as refused:
+        check_source(tmp_path, models.get_converter("export_stock"), {})
+    message = str(refused.value)
+    assert "converts zoo llama / moe / gqla checkpoints to stock transformers class" in message
+    assert "zoo_kraken" not in message and "converter=mixtral_to_moe" in message and "\n" not in message

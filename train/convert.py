@@ -118,7 +118,7 @@ def check_source(source: Path, converter: Converter, options: dict) -> None:
         )  # fmt: skip
         raise ValueError(
             f"source={source} has model_type={model_type!r}, not a {what}; train.convert converts "
-            f"{', '.join(map(repr, converter.source_types))} checkpoints to {converter.target_title} "
+            f"{converter.source_title} checkpoints to {converter.target_title} "
             f"(converter={converter.name}){instead}."
         )
     if not any(source.glob("*.safetensors")) and not any(source.glob("pytorch_model*.bin")):
