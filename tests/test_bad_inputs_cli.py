@@ -36,13 +36,13 @@ def one_error_line(text: str) -> str:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under `root` (but Hydra's own .hydra/ and log files) and its bytes."""
+    """Every file under `root` (but Hydra's own .hydra/ and log files, and a run directory's lock) and its bytes."""
     if not root.exists():
         return {}
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"
+        if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log" and p.name != ".run.lock"
     }
 
 

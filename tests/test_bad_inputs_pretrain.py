@@ -17,9 +17,10 @@ from train.run_directory import readable_checkpoint
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file of the run under `folder` with its size and modification time (what 'nothing changed'
-    compares); Hydra's own record of each command (.hydra/, the appended pretrain.log) left out."""
+    compares); Hydra's own record of each command (.hydra/, the appended pretrain.log) and the run directory's
+    lock (.run.lock, naming whichever command last held it) left out."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
-            if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"}  # fmt: skip
+            if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log" and p.name != ".run.lock"}  # fmt: skip
 
 
 def _run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
