@@ -373,7 +373,7 @@ CASES = [
     pytest.param(
         lambda c: convert(c.convert(f"source={c.ckpt('kraken')}", "ladder_layers=1")),
         ValueError,
-        r"model_type='zoo_kraken', not a Llama; train\.convert converts 'llama', 'zoo_llama'",
+        r"model_type='zoo_kraken', not a Llama; train\.convert converts Llama checkpoints to Ladder",
         id="convert-source-kraken",
     ),
     pytest.param(

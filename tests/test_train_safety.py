@@ -191,7 +191,7 @@ def test_unreadable_last_checkpoint_fails_or_falls_back(tmp_path):
     with pytest.raises(TrainingError, match=f"Cannot resume: {last} cannot be loaded"):
         readable_checkpoint(str(last), fall_back=False)  # an explicit resume=<path>: no other file
     good.unlink()
-    with pytest.raises(TrainingError, match="Move it away or set resume=never"):
+    with pytest.raises(TrainingError, match="Move it away, start over with resume=never overwrite=true"):
         readable_checkpoint(str(last), fall_back=True)
 
 
