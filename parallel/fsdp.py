@@ -42,13 +42,18 @@ from parallel.layout import shard_specs
 
 __all__ = ["TOKEN_DIMS", "apply_fsdp", "fsdp_mesh", "is_expert", "scale_expert_gradients"]
 
+def shards_over(degrees: dict[str, int], dims: tuple[str, ...] = TOKEN_DIMS) -> bool:
+    """Whether FSDP over `dims` has more than one rank at these degrees (where `fsdp_mesh` gives a mesh)."""
+    return math.prod(degrees.get(d, 1) for d in dims) > 1
+
+
 def fsdp_mesh(mesh, dims: tuple[str, ...] = TOKEN_DIMS):
     """The 1-D mesh FSDP shards over: `dims` of `mesh` flattened (row-major), or None if they are all 1.
     Never includes tp: FSDP over tp ranks (which share their tokens) would average their partial outputs."""
     if "tp" in dims:
         raise ValueError("FSDP shards over token dimensions (dp, ep, sp) only; tp ranks share their tokens.")
     degrees = mesh_degrees(mesh)
-    if math.prod(degrees.get(d, 1) for d in dims) == 1:
+    if not shards_over(degrees, dims):
         return None
     used = tuple(d for d in dims if degrees.get(d, 1) > 1)
     if len(used) == 1:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import models
+from parallel.fsdp import shards_over
 from train.data import CORPUS, SourceSettings, is_local_source
 from train.module import NONFINITE_POLICIES
 from train.parallel_config import check_degrees, engine_settings, parallel_degrees
@@ -67,8 +68,7 @@ def check_config(cfg: DictConfig) -> None:
     engine = engine_settings(cfg.get("parallel"))
     world = math.prod(degrees.values())
     layout = " x ".join(f"parallel.{d}={n}" for d, n in degrees.items() if n > 1) or "parallel=none"
-    data_ranks = degrees["dp"] * degrees["ep"] * degrees["sp"]
-    if engine["param_dtype"] not in (None, "float32") and not (engine["fsdp"] and data_ranks > 1):
+    if engine["param_dtype"] not in (None, "float32") and not (engine["fsdp"] and shards_over(degrees)):
         why = "parallel.fsdp=false" if not engine["fsdp"] else f"{layout} has no dp, ep or sp rank to shard over"
         raise ValueError(
             f"parallel.param_dtype={engine['param_dtype']} is FSDP's mixed precision, which this run does not use "

@@ -27,6 +27,7 @@ from eval.simulator.device import DeviceModel
 from eval.simulator.memory import GiB, predict_inference_memory, predict_training_memory
 from eval.simulator.replay import build_meta, record_generation, release
 from eval.simulator.training import EXPERT_DIM, FSDP_DIM, TrainLayout, record_training
+from parallel.fsdp import shards_over
 from parallel.link import HierarchicalLink, get_link
 
 # Device memory per GPU, from the spec sheets (bytes). What fits is judged against this less `headroom_gib`.
@@ -126,7 +127,7 @@ def plan_training(
     for degrees in found:
         replicas = degrees["dp"] * degrees["ep"]  # ranks with sequences of their own (sp and tp share one)
         for use_fsdp in fsdp:
-            if use_fsdp and degrees["dp"] * degrees["ep"] * degrees["sp"] == 1 and False in fsdp:
+            if use_fsdp and not shards_over(degrees) and False in fsdp:
                 continue  # one replica: FSDP on and off are the same run
             for ac in ac_modes:
                 memory = {}  # micro-batch -> TrainingMemory (replayed at 1 and 2)
@@ -172,8 +173,7 @@ def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_n
     gpus = row["dp"] * row["ep"] * row["sp"] * row["tp"]
     nodes, per_node = max(1, gpus // gpus_per_node), min(gpus, gpus_per_node)
     # bf16 compute: FSDP's mixed precision where FSDP shards over data ranks, Lightning's autocast otherwise
-    fsdp = row["fsdp"] and row["dp"] * row["ep"] * row["sp"] > 1
-    precision = "parallel.param_dtype=bfloat16" if fsdp else "trainer.precision=bf16-mixed"
+    precision = "parallel.param_dtype=bfloat16" if row["fsdp"] and shards_over(row) else "trainer.precision=bf16-mixed"
     # `++`: a field the model group's config does not list is added (vocab_size among them: the embedding the plan
     # sized, which holds a smaller tokenizer's ids too); a ladder variant is its sibling's group with the ladder
     # schedule on every layer, as the variant's bench config has it.
