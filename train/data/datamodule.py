@@ -81,7 +81,6 @@ class LMDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
-        self.split_seed = split_seed
         self.max_val_batches = max_val_batches
         self.dp_size = dp_size
         self.dp_rank = dp_rank
@@ -114,7 +113,8 @@ class LMDataModule(L.LightningDataModule):
             # Prepared now if missing; a folder prepared from other files, a split or a tokenizer is refused.
             folders.append(
                 prepare_corpus(settings, self.tokenizer_name, folder=folder, num_proc=self.num_proc,
-                               shard_tokens=self.shard_tokens, overwrite=overwrite, progress=progress)
+                               shard_tokens=self.shard_tokens, overwrite=overwrite, progress=progress,
+                               tokenizer=self.tokenizer)
             )
         return folders
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers import PreTrainedTokenizerFast
 
 from train.data.corpus import cache_dir
 from train.data.documents import DataError, SourceSettings, documents, source_fingerprint
@@ -265,10 +266,12 @@ def prepare_corpus(
     shard_tokens: int = 100_000_000,
     overwrite: bool = False,
     progress: bool = True,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> Path:
     """Prepares `settings.source` with the tokenizer into `folder` (default: `default_prepared_dir`) and
-    returns the folder. A complete folder (its manifest from the same tokenizer) is returned as it is."""
-    tokenizer = load_tokenizer(tokenizer_name)
+    returns the folder. A complete folder (its manifest from the same tokenizer) is returned as it is.
+    `tokenizer`: `load_tokenizer(tokenizer_name)` when the caller holds it already (workers load it by name)."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_name)
     tokenizer_id = tokenizer_fingerprint(tokenizer)
     settings.check()
     folder = Path(folder).expanduser() if folder is not None else default_prepared_dir(settings, tokenizer_id)

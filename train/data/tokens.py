@@ -19,8 +19,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from train.data.prepare import read_manifest
-
 
 @dataclass(frozen=True)
 class TokenSplit:
@@ -117,9 +115,3 @@ class WindowDataset(Dataset):
                 for fd in files.values():
                     os.close(fd)
 
-
-def open_split(folder: str | Path, split: str) -> TokenSplit:
-    manifest = read_manifest(Path(folder))
-    if manifest is None:
-        raise FileNotFoundError(f"{folder} holds no {Path(folder) / 'manifest.json'}: it is not prepared.")
-    return TokenSplit.of(folder, manifest, split)
