@@ -392,16 +392,20 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         # Summed token losses (not the batch mean), so the final mean weights every token equally
         # whatever the batch sizes and however many labels are masked; the same loss as eval's. Under
         # sequence parallelism each rank sums its chunk's and on_validation_epoch_end adds the ranks up.
-        loss_sum, tokens = summed_token_loss(logits, labels, shifted=shifted)
-        self._val_loss_sum += loss_sum.double()
-        self._val_tokens += tokens
         sources = batch.get("source")
-        if self._val_source_names and sources is not None:
-            for source in sources.unique().tolist():
-                rows = sources == source
-                part_sum, part_tokens = summed_token_loss(logits[rows], labels[rows], shifted=shifted)
-                self._val_per_source[source, 0] += part_sum.double()
-                self._val_per_source[source, 1] += part_tokens
+        if not self._val_source_names or sources is None:
+            loss_sum, tokens = summed_token_loss(logits, labels, shifted=shifted)
+            self._val_loss_sum += loss_sum.double()
+            self._val_tokens += tokens
+            return
+        # A mixture: each source's rows summed apart (the total is their sum, each token counted once).
+        for source in sources.unique().tolist():
+            rows = sources == source
+            part_sum, part_tokens = summed_token_loss(logits[rows], labels[rows], shifted=shifted)
+            self._val_per_source[source, 0] += part_sum.double()
+            self._val_per_source[source, 1] += part_tokens
+            self._val_loss_sum += part_sum.double()
+            self._val_tokens += part_tokens
 
     def on_validation_epoch_end(self) -> None:
         totals = self.trainer.strategy.reduce(
