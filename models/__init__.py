@@ -1,6 +1,7 @@
 """overlap-zoo models: `import models` registers every architecture; `models.ZOO[name]` gives its classes."""
 
-from models.checkpoint import apply_special_tokens, save_checkpoint
+from models.checkpoint import apply_special_tokens, code_writer, save_checkpoint
+from models.common.pretrained import ZooPreTrainedModel
 from models.common.residual import ladder_converter
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM, ZooGQLAModel
 from models.gqla.convert import LLAMA_TO_GQLA
@@ -31,6 +32,9 @@ from models.registry import (
 )
 from models.scmoe import ZooScMoeConfig, ZooScMoeForCausalLM, ZooScMoeModel
 from models.scmoe.convert import LLAMA_TO_SCMOE
+
+# model.save_pretrained(dir) writes the model's code beside its weights, as save_checkpoint does.
+ZooPreTrainedModel.code_writer = staticmethod(code_writer)
 
 # Shapes shared by every tiny model, so tiny instances of different architectures compare fairly.
 TINY_LLAMA = dict(

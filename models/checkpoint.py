@@ -6,8 +6,9 @@
   bos / eos / pad ids (a fresh config has Llama's defaults, bos 1 and eos 2, which in the bundled
   tokenizer are `<|pad|>` and "!"; `generate()` would then stop at "!" and never at end of text);
 - loads without this package: the model's code is written beside the weights and config.json names it
-  in `auto_map` (models/export.py), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`
-  works in plain transformers, and `from_pretrained(dir)` after `import models` as before;
+  in `auto_map` (models/export.py; `model.save_pretrained(dir)` does the same through `code_writer`), so
+  `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works in plain transformers, and
+  `from_pretrained(dir)` after `import models`;
 - is readable by others on a shared filesystem: safetensors 0.8's `save_file` (what transformers 5
   saves weights with) creates model.safetensors with mode 0600 whatever the umask; the files get the
   usual umask-respecting mode (0644 under umask 022) instead (`share_files`);
@@ -97,24 +98,36 @@ def save_checkpoint(
     """
     directory = Path(directory)
     # Build the code first: an architecture that cannot be exported fails before anything is written.
-    code = build_remote_code(model)
+    build_remote_code(model)
     apply_special_tokens(model, tokenizer)
     started = time.time()
     if blocks is None:
-        model.save_pretrained(directory)
+        model.save_pretrained(directory)  # the weights, the configs and the code (ZooPreTrainedModel.save_pretrained)
     else:
         directory.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(directory)
         if model.can_generate():
             model.generation_config.save_pretrained(directory)
         write_weight_shards(model, blocks, directory)
+        code_writer(model)(directory)
     tokenizer.save_pretrained(directory)
     drop_loading_options(directory)
-    write_remote_code(
-        code, directory, architecture=_architecture_name(model), class_name=type(model).__name__
-    )
     share_files(directory, since=started)
     return directory
+
+
+def code_writer(model: PreTrainedModel):
+    """A function of a directory that writes `model`'s self-contained code, `auto_map` and model card there
+    (`models.export`), built now; None for a class defined outside this package (a user's subclass elsewhere:
+    saved as transformers saves it). What `ZooPreTrainedModel.save_pretrained` calls after writing the weights."""
+    if type(model).__module__.split(".")[0] != "models":
+        return None
+    code = build_remote_code(model)
+
+    def write(directory: str | Path) -> None:
+        write_remote_code(code, directory, architecture=_architecture_name(model), class_name=type(model).__name__)
+
+    return write
 
 
 def write_weight_shards(model: PreTrainedModel, blocks, directory: Path) -> None:
@@ -227,6 +240,7 @@ def _architecture_name(model: PreTrainedModel) -> str:
 __all__ = [
     "SPECIAL_TOKENS",
     "apply_special_tokens",
+    "code_writer",
     "check_finite_weights",
     "nonfinite_counts",
     "drop_loading_options",

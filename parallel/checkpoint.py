@@ -87,10 +87,17 @@ def global_view(tensor: torch.Tensor, specs, mesh) -> torch.Tensor:
 
 
 def model_views(model: nn.Module, mesh, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The model's parameters and persistent buffers, each as `global_view`, by name (with `prefix`)."""
+    """The model's parameters and persistent buffers, each as `global_view`, by name (with `prefix`). A tensor
+    held under two names (tied weights: the embedding and the head) is listed once, under its first name, as
+    `named_parameters` lists it: DCP would write it twice, and loading the one name fills both."""
     specs = shard_specs(model)
-    state = model.state_dict(keep_vars=True)
-    return {prefix + name: global_view(t.detach() if t.requires_grad else t, specs.get(name, ()), mesh) for name, t in state.items()}
+    views, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        views[prefix + name] = global_view(t.detach() if t.requires_grad else t, specs.get(name, ()), mesh)
+    return views
 
 
 def init_optimizer_state(optimizer) -> None:

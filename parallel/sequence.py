@@ -280,6 +280,10 @@ def lasp1(q, k, v, group, log_decay=None, *, intra):
     return _over_ranks(_LASP1, q, k, v, group, log_decay, intra)
 
 
+# Run eagerly inside a compiled model (a graph break): the Functions build their local autograd graph in
+# forward and differentiate it twice in backward (the output's, then the state's, with a collective between),
+# while a compiled region spanning both runs its backward once and donates its buffers.
+@torch.compiler.disable
 def _over_ranks(method: type[torch.autograd.Function], q, k, v, group, log_decay, intra):
     """`method` (_LASP2 or _LASP1) over the sp group, keeping the graph of its local parts only where an input
     needs gradients; `intra` alone without a group or with one rank."""

@@ -145,6 +145,42 @@ def test_pipeline_generates_without_package(arch, exported, tokenizer):
     assert report[arch]["pipeline_ids"] == expected[0].tolist()
 
 
+# Loads each folder named on the command line without the package and saves its logits on the saved ids.
+PLAIN_LOAD_SCRIPT = BLOCK_PACKAGE + textwrap.dedent(
+    """\
+    from pathlib import Path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = Path(sys.argv[1])
+    ids = torch.load(root / "ids.pt")
+    for name in sys.argv[2:]:
+        model = AutoModelForCausalLM.from_pretrained(root / name, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(model(ids).logits, root / f"{name}.logits.pt")
+    """
+)
+
+
+def test_plain_save_pretrained_writes_the_code(tmp_path):
+    """`model.save_pretrained(dir)` (no tokenizer, not through save_checkpoint) writes the code and `auto_map` too:
+    the ladder variants, whose class is their standard sibling's, load without the package to the same logits."""
+    names = ["llama", *models.variants()]
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    saved = {}
+    for name in names:
+        torch.manual_seed(0)
+        saved[name] = models.get(name).model_class(models.get(name).tiny()).eval()
+        saved[name].save_pretrained(tmp_path / name)
+        assert "auto_map" in json.loads((tmp_path / name / "config.json").read_text())
+    out = run_without_package(PLAIN_LOAD_SCRIPT, str(tmp_path), *names, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for name, model in saved.items():
+        with torch.no_grad():
+            assert torch.equal(torch.load(tmp_path / f"{name}.logits.pt"), model(ids).logits), name
+
+
 def test_config_names_the_bundled_code(exported):
     root, _, saved, _ = exported
     for arch, model in saved.items():

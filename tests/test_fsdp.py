@@ -195,11 +195,11 @@ def test_what_a_rank_holds_at_8b_dp8_tp8_as_the_readme_says():
     assert f"{held * 16 / 1e9:.1f} GB of state per GPU" in readme  # fp32 weights + gradients + 2 Adam moments
 
 
-def _compiled_under_fsdp_tp(rank: int, world_size: int, name: str, backend: str) -> None:
+def _compiled_under_fsdp(rank: int, world_size: int, name: str, backend: str, degrees: dict[str, int]) -> None:
     from train.activation_checkpointing import compile_layers
 
-    degrees = {"dp": 2, "ep": 1, "sp": 1, "tp": 2}
     mesh = parallel.init_mesh(**degrees)
+    sp_group = parallel.mesh_group(mesh, "sp") if degrees["sp"] > 1 else None
     generator = torch.Generator().manual_seed(mesh.get_local_rank("dp"))
     ids = torch.randint(0, build(name, degrees).config.vocab_size, (BATCH, SEQ), generator=generator)
     results = []
@@ -209,7 +209,7 @@ def _compiled_under_fsdp_tp(rank: int, world_size: int, name: str, backend: str)
         if compiled:
             compile_layers(model, backend=backend)
         apply_fsdp(model, mesh, model.model)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = loss_of(model, ids, sp_group, degrees["sp"])
         loss.backward()
         grads = {n: p.grad._local_tensor.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((loss.detach(), grads))
@@ -227,4 +227,10 @@ def test_compiled_training_step_equals_eager_under_fsdp_and_tp2():
     """Each decoder layer compiled in place (parallelize -> compile -> fully_shard), dp 2 x tp 2: the loss and
     every gradient shard of one step equal eager's (atol 1e-5; aot_eager, the traced graph without inductor's
     codegen, which tests/test_activation_checkpointing.py runs under -m slow)."""
-    run_ranks(_compiled_under_fsdp_tp, 4, "llama", "aot_eager")
+    run_ranks(_compiled_under_fsdp, 4, "llama", "aot_eager", {"dp": 2, "ep": 1, "sp": 1, "tp": 2})
+
+
+def test_compiled_training_step_equals_eager_under_lasp2_sp2():
+    """Linear attention at sp 2 compiled: LASP-2's autograd Function runs eagerly between the compiled parts (its
+    backward differentiates its local graph twice, which one compiled region cannot); loss and gradients as eager's."""
+    run_ranks(_compiled_under_fsdp, 2, "linear", "aot_eager", {"dp": 1, "ep": 1, "sp": 2, "tp": 1})

@@ -261,6 +261,33 @@ def test_dp2_tp2_checkpoint_resumes_at_other_degrees(dp2_tp2_runs, degrees, tmp_
 
 
 
+def test_a_damaged_shard_of_the_dp2_tp2_run_is_refused_in_one_line(dp2_tp2_runs, tmp_path, capsys):
+    """1 KB overwritten inside a record of rank 1's shard file (the file's size unchanged): resuming it and exporting
+    it each end in one line naming the file, nothing loaded (without the records' CRC-32 both went on silently)."""
+    import pickle
+    import shutil
+
+    from train.errors import TrainingError
+
+    damaged = tmp_path / "checkpoints" / "step3.ckpt"
+    shutil.copytree((dp2_tp2_runs / "dp2_tp2/checkpoints/step3.ckpt").resolve(), damaged)
+    with open(damaged / ".metadata", "rb") as file:
+        storage = pickle.load(file).storage_data
+    weights = (s for i, s in storage.items() if s.relative_path == "__1_0.distcp" and i.fqn.startswith("state_dict."))
+    record = max(weights, key=lambda s: s.length)  # a weight's record: what both the resume and the export read
+    with open(damaged / "__1_0.distcp", "r+b") as file:
+        file.seek(record.offset + record.length // 2)
+        file.write(os.urandom(1024))
+    expected = f"{damaged} is damaged: the record at byte {record.offset:,} of __1_0.distcp fails its CRC-32 check"
+    with pytest.raises(TrainingError) as caught:
+        train(compose_pretrain([*RUN, *RESUME_AT["none"], f"resume={damaged}"], tmp_path / "resumed"))
+    assert str(caught.value).startswith(f"Cannot resume: {expected}") and "\n" not in str(caught.value)
+    assert export_main([str(damaged), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"Error: cannot export {damaged}: the record at byte {record.offset:,} of __1_0.distcp")
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 def test_one_process_file_checkpoint_resumes_under_fsdp_at_dp2_tp2(dp2_tp2_runs, tmp_path):
     """The other way: one process's one-file checkpoint (step 3) continued at dp 2 x tp 2 on FSDP (each rank

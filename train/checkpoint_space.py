@@ -1,9 +1,8 @@
 """What a checkpoint write that failed says: which file, why, how much it needed and how much was free.
 
-A full disk during a save used to print two tracebacks (`No space left on device`, then the serializer's
-`unexpected pos ...`) and leave a partial temporary behind. Both writers (the one-file `AtomicCheckpointIO`,
-train/callbacks.py, and the sharded `ZooParallelStrategy.save_checkpoint`, train/strategy.py) remove what they had
-written and raise `CheckpointWriteError` from here instead: one line, the previous checkpoint kept.
+Both writers (the one-file `AtomicCheckpointIO`, train/callbacks.py, and the sharded `train.sharded_checkpoint.write`)
+remove what they had written when a write fails (a full disk) and raise `CheckpointWriteError` from here: one line
+naming the file, the reason and the space it needed, the previous checkpoint kept.
 """
 
 import shutil
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from train.module import TrainingError
+from train.errors import TrainingError
 
 
 class CheckpointWriteError(TrainingError):

@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 import models
 from models.checkpoint import save_checkpoint
-from parallel.checkpoint import stream_full_state
+from parallel.checkpoint import model_views, stream_full_state
 from train import sharded_checkpoint
 from train.data.tokenizer import load_tokenizer
 
@@ -53,9 +52,9 @@ def load_unsharded(checkpoint: str | Path):
         config = models.build_config(hparams["model_name"], vocab_size=hparams["vocab_size"], **hparams["model_config"])
     model = entry.model_class(config)
     if sharded_checkpoint.is_sharded(checkpoint):
-        # The LightningModule's names: its `model` attribute is this model.
-        state = {f"model.{name}": t for name, t in model.state_dict().items()}
-        dcp.load({"state_dict": state}, checkpoint_id=checkpoint, no_dist=True)
+        # The LightningModule's names (its `model` attribute is this model), each tensor once, as saved
+        state = model_views(model, mesh=None, prefix="model.")
+        sharded_checkpoint.load({"state_dict": state}, checkpoint, no_dist=True)
     else:
         state = {k.removeprefix("model."): v for k, v in meta["state_dict"].items()}
         model.load_state_dict(state)
@@ -69,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the run's hf/, else the bundled one)")
     args = parser.parse_args(argv)
     checkpoint, out = Path(args.checkpoint), Path(args.out)
-    problem = sharded_checkpoint.problem(checkpoint) if checkpoint.exists() else "it does not exist"
+    problem = sharded_checkpoint.problem(checkpoint) if checkpoint.exists() or checkpoint.is_symlink() else "it does not exist"
     if problem:
-        print(f"Error: cannot export {checkpoint}: {problem}.", file=sys.stderr)
+        others = sharded_checkpoint.loadable_siblings(checkpoint) if checkpoint.parent.is_dir() else []
+        older = f"; {others[0]} is the newest other checkpoint of the run that loads" if others else ""
+        print(f"Error: cannot export {checkpoint}: {problem}{older}.", file=sys.stderr)
         return 1
     if out.exists() and any(out.iterdir()):
         print(f"Error: {out} is not empty; choose a new directory (nothing is overwritten).", file=sys.stderr)
@@ -81,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_unsharded(checkpoint)
         tokenizer = load_tokenizer(tokenizer_source)
+    except sharded_checkpoint.DamagedCheckpoint as error:
+        others = sharded_checkpoint.loadable_siblings(checkpoint)
+        older = f" ({others[0]} is the newest other one)" if others else ""
+        print(
+            f"Error: cannot export {checkpoint}: {error.detail}; nothing was written. Export another checkpoint of "
+            f"the run{older}.",
+            file=sys.stderr,
+        )
+        return 1
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         print(f"Error: cannot export {checkpoint}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -42,7 +42,8 @@ def find_resume_checkpoint(resume: str | None, output_dir: Path) -> str | None:
         return None
     if str(resume) == "auto":
         last = output_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
+        # a link whose directory is gone is still named: readable_checkpoint falls back from it, and says so
+        return str(last) if last.exists() or last.is_symlink() else None
     path = Path(str(resume))
     if not path.exists():
         raise FileNotFoundError(
@@ -71,18 +72,14 @@ def readable_checkpoint(ckpt_path: str, fall_back: bool) -> str:
             "a file or a sharded checkpoint's folder); to start a new run from a model's weights pass "
             "+model.init_from=<its hf/ folder> with resume=never."
         )
-    if fall_back:
-        others = sorted(
-            (p for p in path.parent.glob("*.ckpt") if p != path), key=lambda p: p.stat().st_mtime, reverse=True
-        )
-        for other in others:
-            if checkpoint_problem(other) is None:
-                log_warning(f"{path} cannot be loaded ({problem}); resuming from {other}, the newest one that can.")
-                return str(other)
+    others = sharded_checkpoint.loadable_siblings(path)
+    if fall_back and others:
+        log_warning(f"{path} cannot be loaded ({problem}); resuming from {others[0]}, the newest one that can.")
+        return str(others[0])
+    older = f" ({others[0]} is the newest other one that can)" if others else ""
     raise TrainingError(
-        f"Cannot resume: {path} cannot be loaded ({problem}). It was probably cut short by a crash while "
-        "it was written (checkpoints are written atomically; an older version's may not be). Move it away, "
-        "start over with resume=never overwrite=true, or point resume=<path> at another checkpoint."
+        f"Cannot resume: {path} cannot be loaded ({problem}). Move it away, point resume=<path> at another "
+        f"checkpoint{older}, or start over with resume=never overwrite=true."
     )
 
 
@@ -133,7 +130,9 @@ def describe_run(output_dir: Path) -> str | None:
     """What of an earlier run `output_dir` holds that a new run would overwrite, in words; None if nothing."""
     held = []
     last = output_dir / "checkpoints" / "last.ckpt"
-    if last.exists():
+    if last.is_symlink() and not last.exists():
+        held.append(f"checkpoints/last.ckpt (a link to {os.readlink(last)}, which is gone)")
+    elif last.exists():
         try:
             saved = sharded_checkpoint.read_meta(last)
             name = saved.get("hyper_parameters", {}).get("model_name", "?")
@@ -168,7 +167,7 @@ def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
             f"overwrite=true removes the run in {output_dir} while resume={resume} continues from one of its "
             "checkpoints; pass one of them: overwrite=true resume=never (start over) or the resume alone."
         )
-    if not cfg.get("overwrite", False) and (own or (resume == "auto" and last.exists())):
+    if not cfg.get("overwrite", False) and (own or (resume == "auto" and (last.exists() or last.is_symlink()))):
         return  # a continuation of this run (check_checkpoint_fits refuses one of another model)
     if cfg.get("overwrite", False):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -191,7 +190,7 @@ def check_run_directory(cfg: DictConfig, output_dir: Path) -> None:
 def checkpoint_on_disk(output_dir: Path) -> str:
     """What a rerun of this run directory would resume from, in words (for a run that ended with an error)."""
     last = output_dir / "checkpoints" / "last.ckpt"
-    if not last.exists():
+    if not last.exists() and not last.is_symlink():
         return (
             f"No checkpoint was written yet ({last} does not exist): the same command with "
             f"hydra.run.dir={output_dir} starts over."

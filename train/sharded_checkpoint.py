@@ -12,7 +12,12 @@
 Atomic like the file checkpoints (`train.callbacks.AtomicCheckpointIO`): the new directory is written
 completely (every rank's shards, then `meta.pt`, fsynced), and only then does rank 0 swap the link with
 an atomic rename. A process killed at any point leaves the link on the previous complete checkpoint;
-a directory that no link names is removed by the next save.
+a directory that no link names is removed by the next save. A save that fails (a full disk) removes its
+directory and says so in one line (`write`).
+
+Damage after the save is refused, never loaded: every record of the DCP files carries a CRC-32 checked as it
+is read (`train.checkpoint_checksums`), and `problem` finds without reading any record a shard file that is
+missing or cut short, a `.metadata` or `meta.pt` that cannot be read, or a link whose directory is gone.
 """
 
 import os
@@ -22,9 +27,24 @@ from pathlib import Path
 
 import torch
 
+from train import checkpoint_checksums
+from train.checkpoint_space import write_failed
+from train.errors import TrainingError
+
 META = "meta.pt"
 
-__all__ = ["META", "is_sharded", "read_meta", "remove", "swap_in", "new_directory", "problem"]
+__all__ = [
+    "META", "DamagedCheckpoint", "is_sharded", "read_meta", "remove", "swap_in", "new_directory", "problem", "write",
+    "load", "loadable_siblings",
+]
+
+
+class DamagedCheckpoint(TrainingError):
+    """A record of a sharded checkpoint whose bytes changed after it was written (found while loading it)."""
+
+    def __init__(self, path: str | Path, detail: str):
+        self.path, self.detail = Path(path), detail
+        super().__init__(f"{path} is damaged: {detail}")
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -53,8 +73,12 @@ def problem(path: str | Path) -> str | None:
         return f"{NOT_A_TRAINING_CHECKPOINT} but a Hugging Face model folder"
     if path.is_file() and path.suffix in HF_WEIGHT_SUFFIXES:
         return f"{NOT_A_TRAINING_CHECKPOINT} but a {path.suffix} file (a model's weights or settings)"
+    if path.is_symlink() and not path.exists():
+        return f"it links to {os.readlink(path)}, which does not exist (removed by hand or by another program)"
     if path.is_dir() and not (path / ".metadata").is_file():
         return "no .metadata: its shards were never completed"
+    if path.is_dir() and (damage := checkpoint_checksums.truncated_or_missing(path)):
+        return damage
     try:
         meta = read_meta(path)
     except Exception as error:  # any failure to load means the same to the user
@@ -98,6 +122,36 @@ def swap_in(link: Path, directory: Path) -> None:
     for stale in link.parent.glob(f"{link.name}.d*"):
         if stale.is_dir() and stale.name != directory.name:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def write(directory: Path, tensors: dict, meta: dict | None, needed_bytes: int) -> None:
+    """Every rank's shards of `tensors` into the fresh `directory` (collective), then `meta` as `meta.pt` (rank 0,
+    the one rank given a `meta`). A failure on any rank (a full disk) removes the directory and raises
+    `CheckpointWriteError` on every rank: one line, the link still on the previous checkpoint."""
+    try:
+        checkpoint_checksums.save(tensors, directory)
+        if meta is not None:
+            write_meta(directory, meta)
+    except Exception as error:
+        if meta is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise write_failed(directory, error, needed_bytes) from None
+
+
+def load(state: dict, path: str | Path, **kwargs) -> None:
+    """Load `state`'s tensors from the sharded checkpoint `path` (`kwargs`: DCP's planner, no_dist), each record
+    checked against its CRC-32; a damaged one raises `DamagedCheckpoint` (one line, on every rank)."""
+    try:
+        checkpoint_checksums.load(state, Path(path), **kwargs)
+    except checkpoint_checksums.DamagedRecord as error:
+        raise DamagedCheckpoint(path, f"{error} (the file changed on disk after the checkpoint was written)") from None
+
+
+def loadable_siblings(path: str | Path) -> list[Path]:
+    """The other checkpoints beside `path` (`*.ckpt`) that `problem` passes, newest first."""
+    path = Path(path)
+    others = (p for p in path.parent.glob("*.ckpt") if p.name != path.name and p.exists())
+    return [p for p in sorted(others, key=lambda p: p.stat().st_mtime, reverse=True) if problem(p) is None]
 
 
 def remove(path: str | Path) -> None:

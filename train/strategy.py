@@ -27,13 +27,11 @@ its sockets close). `train.pretrain` builds this strategy from `parallel.{dp,ep,
 them is above 1, and to resume a sharded checkpoint in one process.
 """
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -60,7 +58,8 @@ from parallel.state import (
     load_full_state_dict,
 )
 from train import sharded_checkpoint
-from train.checkpoint_space import tensor_bytes, write_failed
+from train.checkpoint_space import tensor_bytes
+from train.errors import TrainingError
 
 
 class ZooParallelStrategy(ModelParallelStrategy):
@@ -157,14 +156,9 @@ class ZooParallelStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             directory.mkdir(parents=True)
         self.barrier("sharded checkpoint directory")
-        try:
-            dcp.save(tensors, checkpoint_id=directory)  # a rank's failure is raised on every rank
-            if self.is_global_zero:
-                sharded_checkpoint.write_meta(directory, checkpoint)
-        except Exception as error:  # a full disk: the new folder goes, the link still names the previous one
-            if self.is_global_zero:
-                shutil.rmtree(directory, ignore_errors=True)
-            raise write_failed(directory, error, tensor_bytes(tensors) * self.world_size) from error
+        # a rank's failure is raised on every rank; rank 0 removes the directory
+        needed = tensor_bytes(tensors) * self.world_size
+        sharded_checkpoint.write(directory, tensors, checkpoint if self.is_global_zero else None, needed)
         if self.is_global_zero:
             sharded_checkpoint.swap_in(link, directory)
         self.barrier("sharded checkpoint saved")
@@ -211,17 +205,24 @@ class ZooParallelStrategy(ModelParallelStrategy):
         of the saved shards that its own views cover."""
         meta = sharded_checkpoint.read_meta(path)
         module, mesh = self.lightning_module, self.device_mesh
-        dcp.load({"state_dict": model_views(module, mesh)}, checkpoint_id=path)
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        saved_groups = meta.get("optimizer_states", [])
-        if optimizers and saved_groups:
-            for optimizer in optimizers:
-                init_optimizer_state(optimizer)
-            views = [optimizer_views(module, o, mesh) for o in optimizers]
-            # Partial: a parameter whose state the saving run never created keeps the fresh (zero) state.
-            dcp.load(
-                {"optimizer_states": views}, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True)
-            )
-            for optimizer, saved in zip(optimizers, saved_groups, strict=False):
-                load_param_groups(optimizer, saved["param_groups"])
+        try:  # every record read is checked against its CRC-32
+            sharded_checkpoint.load({"state_dict": model_views(module, mesh)}, path)
+            optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+            saved_groups = meta.get("optimizer_states", [])
+            if optimizers and saved_groups:
+                for optimizer in optimizers:
+                    init_optimizer_state(optimizer)
+                views = [optimizer_views(module, o, mesh) for o in optimizers]
+                # Partial: a parameter whose state the saving run never created keeps the fresh (zero) state.
+                planner = DefaultLoadPlanner(allow_partial_load=True)
+                sharded_checkpoint.load({"optimizer_states": views}, path, planner=planner)
+                for optimizer, saved in zip(optimizers, saved_groups, strict=False):
+                    load_param_groups(optimizer, saved["param_groups"])
+        except sharded_checkpoint.DamagedCheckpoint as error:
+            others = sharded_checkpoint.loadable_siblings(path)
+            older = f" ({others[0]} is the newest other one)" if others else ""
+            raise TrainingError(
+                f"Cannot resume: {error}; nothing of it is used. Resume from another checkpoint with "
+                f"resume=<path>{older}, or start over with resume=never overwrite=true."
+            ) from None
         return meta

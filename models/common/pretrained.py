@@ -98,6 +98,19 @@ class ZooPreTrainedModel(PreTrainedModel):
             # Non-persistent buffer: not in checkpoints, so it must be rebuilt after meta-device loading.
             init.copy_(module.inv_freq, rope_inv_freq(module.rope_parameters, module.head_dim))
 
+    # What `save_pretrained` calls to write the model's own code and `auto_map` beside its weights, so that the
+    # folder loads with trust_remote_code=True where this package is not installed: `models.checkpoint.code_writer`,
+    # set by `import models` (the package above this module). None in the copy of this file that an exported
+    # checkpoint carries: transformers saves a class it loaded as remote code with its code itself.
+    code_writer = None
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # The code is built first: an architecture that cannot be exported fails before anything is written.
+        write_code = self.code_writer(self) if self.code_writer is not None else None
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if write_code is not None and kwargs.get("is_main_process", True):
+            write_code(save_directory)
+
     def check_layout(self, degrees: dict[str, int]) -> None:
         """One clear error unless the mesh degrees ({"tp": 2}) fit the architecture's shard layout: the check
         of its sharding.py, through its registry entry (`parallel.parallelize` asks first)."""
