@@ -7,6 +7,7 @@ memory, the device's memory drawn) under `out_dir`; `logger=wandb` logs the same
 WANDB_MODE says otherwise), as the bench does.
 """
 
+import os
 from pathlib import Path
 
 import hydra
@@ -38,6 +39,7 @@ def run_plan(cfg: dict, out_dir: Path) -> dict:
             f"memory_gib is null and compute={cfg['compute']!r} has no memory in DEVICE_MEMORY_GIB; set memory_gib."
         )
     usable = float(memory) - float(cfg["headroom_gib"])
+    workers = cfg.get("workers") or os.cpu_count() or 1
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg["task"] == "train":
         for key in ("gpus", "gpus_per_node", "seq_len"):
@@ -49,7 +51,7 @@ def run_plan(cfg: dict, out_dir: Path) -> dict:
             arch, config, gpus=cfg["gpus"], gpus_per_node=cfg["gpus_per_node"], device=device, memory_gib=usable,
             seq_len=cfg["seq_len"], global_batch_tokens=tokens, micro_batches=tuple(cfg["micro_batches"]),
             ac_modes=tuple(cfg["ac"]), fsdp=tuple(cfg["fsdp"]), intra=cfg["links"]["intra"], inter=cfg["links"]["inter"],
-            tp=cfg["tp"], ep=cfg["ep"], sp=cfg["sp"],
+            tp=cfg["tp"], ep=cfg["ep"], sp=cfg["sp"], workers=workers, prune=cfg["prune"],
         )  # fmt: skip
         result["global_batch_tokens"] = tokens
         if result["best"]:
@@ -78,8 +80,11 @@ def plot(path: Path, result: dict) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     key = "tokens_per_s_per_device" if result["task"] == "train" else "tokens_per_s"
     for fits, colour, label in ((True, "C0", "fits"), (False, "C3", "does not fit")):
-        rows = [r for r in result["rows"] if r["fits"] == fits]
+        rows = [r for r in result["rows"] if r["fits"] == fits and r[key] is not None]
         ax.scatter([r["peak_gib"] for r in rows], [r[key] for r in rows], color=colour, s=18, label=label)
+    untimed = [r["peak_gib"] for r in result["rows"] if r[key] is None]
+    if untimed:  # not timed: their memory does not fit (prune=true)
+        ax.scatter(untimed, [0] * len(untimed), color="C3", marker="x", s=18, label="does not fit (not timed)")
     if result["best"]:
         ax.scatter(
             [result["best"]["peak_gib"]],
@@ -106,6 +111,11 @@ def check_plan_inputs(cfg: dict) -> None:
     if cfg["compute"] not in DEVICES:
         what = "measures on this machine (the bench's setting), it has no device to predict" if cfg["compute"] == "measured" else "is no device preset"
         raise ValueError(f"compute={cfg['compute']!r} {what}; eval.plan predicts for one of {', '.join(sorted(DEVICES))}.")
+    workers = cfg.get("workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers={workers!r} must be null (one per core) or an integer >= 1.")
+    if not isinstance(cfg.get("prune", True), bool):
+        raise ValueError(f"prune={cfg['prune']!r} must be true (layouts that do not fit are not timed) or false.")
     tokens = cfg.get("global_batch_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise ValueError(f"global_batch_tokens={tokens!r} must be null or a positive multiple of seq_len={cfg['seq_len']}.")
@@ -152,6 +162,9 @@ def markdown(result: dict, cfg: dict, image: Path) -> str:
         if result.get("command"):
             lines += ["```", result["command"], "```", ""]
     lines += [report.write_markdown_table(result["rows"], columns), ""]
+    untimed = sum(1 for r in result["rows"] if r.get("step_s", 0) is None)
+    if untimed:
+        lines += [f"{untimed} layouts do not fit in memory and were not timed (n/a); `prune=false` times them too.", ""]
     if result["refused"]:
         lines += ["## Refused layouts", "", *(f"- {r['degrees']}: {r['why']}" for r in result["refused"]), ""]
     lines += [f"![layouts]({image.name})", ""]

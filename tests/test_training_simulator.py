@@ -161,30 +161,88 @@ def test_links_by_node():
     assert links_for(TrainLayout(dp=2, tp=4), 8, "nvlink-h100", "ib-hdr-200g")["fsdp"].name == "nvlink-h100"
 
 
-def test_planner_best_fits_and_rejected_do_not(monkeypatch):
-    import functools
+def _deep(arch: str, layers: int = 8):
+    """The tiny config of `arch` at `layers` layers, deep enough for shallow stacks to be shorter: Ladder's schedule
+    over the last half of 12 (two segments), a hybrid at 16 (its pattern's period is 4); GQLA on its TP path."""
+    c = models.get(arch).tiny()
+    fields = {**c.to_dict(), "num_hidden_layers": 16 if len(getattr(c, "layer_pattern", "")) > 1 else layers}
+    if "ladder_layers" in fields and fields.get("residual", "ladder") == "ladder":
+        fields["num_hidden_layers"] = max(fields["num_hidden_layers"], 12)
+        fields["ladder_layers"] = fields["num_hidden_layers"] // 2
+    if "attn_path" in fields:
+        fields["attn_path"] = "gqa"
+    return type(c).from_dict(fields)
 
-    import eval.simulator.planner as planner
 
-    # The same layouts planned twice (all, then under a bound): each replayed once.
+STACK_LAYOUTS = [
+    TrainLayout(dp=2, tp=2, micro_batch=1, seq_len=32, ac="none"),
+    TrainLayout(dp=4, micro_batch=2, seq_len=32, ac="full"),
+    TrainLayout(dp=2, tp=2, micro_batch=1, seq_len=32, ac="selective", fsdp=False),
+]
+
+
+# Every architecture; the default run keeps one of each way the layers repeat (plain, ladder segments, a first
+# layer apart, MoE every other layer), the rest are slow.
+STACK_DEFAULT = ("llama", "ladder", "moepp", "scmoe")
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a in STACK_DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in models.ZOO]
+)
+def test_shallow_stacks_give_the_full_replay(arch):
+    """A step's time and peak memory from replays of shallow stacks (eval.simulator.stack) equal the full depth's
+    replay: fp64 sums, so to rounding (rel 1e-9)."""
+    from eval.simulator import stack
+
+    config = _deep(arch)
+    terms = stack.stack_terms(arch, config)
+    assert len(terms) > 1 and all(c.num_hidden_layers < config.num_hidden_layers for c, _ in terms)  # shortened
+    layout = STACK_LAYOUTS[list(models.ZOO).index(arch) % len(STACK_LAYOUTS)]
+    fast = stack.predict_training(arch, terms, layout, H100, "nvlink-h100")
+    full = record_training(arch, config, layout).predict(H100, "nvlink-h100")
+    for key in ("step_s", "exposed_s", "tokens_per_s_per_device", "mfu"):
+        assert fast[key] == pytest.approx(full[key], rel=1e-9), key
+    fast_memory = stack.predict_training_memory(arch, terms, layout)
+    full_memory = predict_training_memory(arch, config, layout)
+    assert fast_memory.peak_bytes == pytest.approx(full_memory.peak_bytes, rel=1e-9)
+
+
+def test_planner_best_fits_and_rejected_do_not():
     c = _llama()
-    for name in ("record_training", "predict_training_memory"):
-        replay = getattr(planner, name)
-        cached = functools.cache(lambda arch, layout, replay=replay: replay(arch, c, layout))
-        monkeypatch.setattr(planner, name, lambda arch, config, layout, cached=cached: cached(arch, layout))
     kw = dict(gpus=4, gpus_per_node=4, device=H100, seq_len=32, global_batch_tokens=4 * 2 * 32,
-              micro_batches=(1, 2), ac_modes=("none", "full"), fsdp=(True,), tp=[1, 2], log=lambda *_: None)  # fmt: skip
-    everything = plan_training("llama", c, memory_gib=1e6, **kw)["rows"]
-    peaks = sorted(r["peak_gib"] for r in everything)
+              micro_batches=(1, 2), ac_modes=("none", "full"), fsdp=(True,), tp=[1, 2], show_progress=False)  # fmt: skip
+    everything = {r["label"]: r for r in plan_training("llama", c, memory_gib=1e6, prune=False, **kw)["rows"]}
+    assert all(math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1 for r in everything.values())
+    peaks = sorted(r["peak_gib"] for r in everything.values())
     bound = peaks[len(peaks) // 2]  # about half the layouts fit
     plan = plan_training("llama", c, memory_gib=bound, **kw)
     assert plan["best"] is not None and plan["best"]["peak_gib"] <= bound
     assert all(r["peak_gib"] > bound for r in plan["rows"] if not r["fits"])
     assert all(r["peak_gib"] <= bound for r in plan["rows"] if r["fits"])
     assert any(not r["fits"] for r in plan["rows"])
-    fitting = [r["tokens_per_s_per_device"] for r in plan["rows"] if r["fits"]]
+    fitting = [r["tokens_per_s_per_device"] for r in everything.values() if r["peak_gib"] <= bound]
     assert plan["best"]["tokens_per_s_per_device"] == max(fitting)
-    assert all(math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1 for r in plan["rows"])
+    # Pruned (the default): the layouts that do not fit are not timed, the others as when every one is timed.
+    for row in plan["rows"]:
+        assert row["peak_gib"] == everything[row["label"]]["peak_gib"]
+        want = everything[row["label"]]["tokens_per_s_per_device"] if row["fits"] else None
+        assert row["tokens_per_s_per_device"] == want
+
+
+def test_planner_rows_equal_full_replays(monkeypatch):
+    """The planner's rows from shallow stacks, on two worker processes, are the rows of full-depth replays in one."""
+    import eval.simulator.planner as planner
+
+    config = _deep("moe")
+    kw = dict(gpus=4, gpus_per_node=2, device=H100, seq_len=32, global_batch_tokens=8 * 32, micro_batches=(1, 2),
+              ac_modes=("none", "full"), fsdp=(True,), ep=[2], memory_gib=1e6, show_progress=False)  # fmt: skip
+    fast = plan_training("moe", config, workers=2, **kw)["rows"]
+    monkeypatch.setattr(planner, "stack_terms", lambda arch, config: [(config, 1.0)])
+    full = plan_training("moe", config, **kw)["rows"]
+    assert len(fast) >= 4 and [r["label"] for r in fast] == [r["label"] for r in full]
+    for a, b in zip(fast, full, strict=True):
+        for key in ("tokens_per_s_per_device", "mfu", "step_s", "exposed_s", "peak_gib"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9), (a["label"], key)
 
 
 @pytest.mark.parametrize("task", ["train", "generate"])

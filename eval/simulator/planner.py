@@ -16,17 +16,27 @@ then sp, ep, dp (parallel.init_mesh's order), so a dimension's group spans `size
 
 Memory is replayed at micro-batch 1 and 2 for each (mesh, engine, AC) and taken as linear in the micro-batch
 between and beyond them (activations and the step's temporaries grow with the tokens, parameters and optimizer
-state do not): two replays per layout family instead of one per micro-batch. Time is replayed for every layout.
+state do not): two replays per layout family instead of one per micro-batch (one where the family has one
+micro-batch). Time is replayed for every layout. Every replay is of shallow stacks of the model's layers, combined
+to its depth (eval.simulator.stack: exact where the layers repeat), so a plan's time does not grow with the depth.
 """
 
 import math
-from dataclasses import asdict
+import multiprocessing
+import sys
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict, replace
+
+import torch
+from tqdm.auto import tqdm
 
 import models
 from eval.simulator.device import DeviceModel
-from eval.simulator.memory import GiB, predict_inference_memory, predict_training_memory
+from eval.simulator.memory import GiB, predict_inference_memory
 from eval.simulator.replay import build_meta, record_generation, release
-from eval.simulator.training import EXPERT_DIM, FSDP_DIM, TrainLayout, record_training
+from eval.simulator.stack import memory_from_parts, memory_of, predict_from_parts, stack_terms, time_parts
+from eval.simulator.training import EXPERT_DIM, FSDP_DIM, TrainLayout
 from parallel.fsdp import shards_over
 from parallel.link import HierarchicalLink, get_link
 
@@ -114,57 +124,157 @@ def plan_training(
     tp=None,
     ep=None,
     sp=None,
-    log=print,
+    workers: int = 1,
+    prune: bool = True,
+    show_progress: bool = True,
 ) -> dict:
-    """Every layout predicted (module docstring): {"rows": [...] ranked, fitting first; "refused": [...]}."""
+    """Every layout predicted (module docstring): {"rows": [...] ranked, fitting first; "refused": [...]}, its
+    replays on `workers` processes. With `prune`, a layout whose memory does not fit is not timed (its row has
+    no tokens/s). A progress bar on stderr counts the layouts done and left (`show_progress=False`: none)."""
     if gpus % gpus_per_node and gpus > gpus_per_node:
         raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}.")
     if global_batch_tokens % seq_len:
         raise ValueError(f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len={seq_len}.")
     sequences = global_batch_tokens // seq_len
     found, refused = meshes(arch, config, gpus, gpus_per_node, tp, ep, sp)
-    rows = []
+    layouts = []
     for degrees in found:
         replicas = degrees["dp"] * degrees["ep"]  # ranks with sequences of their own (sp and tp share one)
         for use_fsdp in fsdp:
             if use_fsdp and not shards_over(degrees) and False in fsdp:
                 continue  # one replica: FSDP on and off are the same run
             for ac in ac_modes:
-                memory = {}  # micro-batch -> TrainingMemory (replayed at 1 and 2)
                 for mb in micro_batches:
                     if sequences % (replicas * mb):
                         refused.append({"degrees": degrees, "why": f"{sequences} sequences per step do not split "
                                         f"into {replicas} replicas x micro-batch {mb}"})  # fmt: skip
                         continue
-                    layout = TrainLayout(**degrees, fsdp=use_fsdp, ac=ac, micro_batch=mb, seq_len=seq_len,
-                                         grad_accum=sequences // (replicas * mb))  # fmt: skip
-                    log(f"[plan] {layout.label()}")
-                    run = record_training(arch, config, layout)
-                    pred = run.predict(device, links_for(layout, gpus_per_node, intra, inter))
-                    peak = _peak_bytes(arch, config, layout, memory)
-                    rows.append({
-                        "label": layout.label(), "layout": asdict(layout), **degrees, "fsdp": use_fsdp, "ac": ac,
-                        "micro_batch": mb, "grad_accum": layout.grad_accum,
-                        "tokens_per_s_per_device": pred["tokens_per_s_per_device"], "mfu": pred["mfu"],
+                    layouts.append(TrainLayout(**degrees, fsdp=use_fsdp, ac=ac, micro_batch=mb, seq_len=seq_len,
+                                               grad_accum=sequences // (replicas * mb)))  # fmt: skip
+    terms = stack_terms(arch, config)  # the full depth from replays of shallow stacks (eval.simulator.stack)
+    families: dict = {}  # (mesh, engine, AC) -> its layouts
+    for layout in layouts:
+        families.setdefault(_family(layout), []).append(layout)
+    # Every replay once: each family's memory (at micro-batches 1 and 2, or at its one micro-batch; one replay per
+    # shallow stack), then the time of each of its layouts that fits (or of all, with `prune=False`).
+    memory_jobs = {
+        ("memory", family, mb, i): (memory_of, (arch, shallow, replace(members[0], micro_batch=mb, grad_accum=1)))
+        for family, members in families.items()
+        for mb in _memory_micro_batches(members)
+        for i, (shallow, _) in enumerate(terms)
+    }
+    peaks: dict = {}  # layout -> peak bytes
+    timed: set = set()  # the layouts whose time is replayed
+    bar = tqdm(total=len(layouts), desc="[plan] layouts", unit="layout", file=sys.stderr, disable=not show_progress)
+
+    def then(key, results) -> dict:
+        """The jobs a finished one makes possible: a family's memory known, the time of its layouts that fit."""
+        if key[0] == "time":
+            layout = key[1]
+            if all(("time", layout, i) in results for i in range(len(terms))):
+                bar.update()
+            return {}
+        family = key[1]
+        mbs = _memory_micro_batches(families[family])
+        if not all(("memory", family, mb, i) in results for mb in mbs for i in range(len(terms))):
+            return {}
+        found = {mb: memory_from_parts([results[("memory", family, mb, i)] for i in range(len(terms))], terms).peak_bytes
+                 for mb in mbs}  # fmt: skip
+        follow = {}
+        for layout in families[family]:
+            mb = layout.micro_batch
+            peaks[layout] = found[mb] if mb in found else found[1] + (found[2] - found[1]) * (mb - 1)
+            if prune and peaks[layout] > memory_gib * GiB:
+                bar.update()
+                continue
+            timed.add(layout)
+            links = links_for(layout, gpus_per_node, intra, inter)
+            for i, (shallow, _) in enumerate(terms):
+                follow[("time", layout, i)] = (time_parts, (arch, shallow, layout, device, links))
+        return follow
+
+    results = run_jobs(memory_jobs, then, workers)
+    bar.close()
+    rows = []
+    for layout in layouts:
+        peak = peaks[layout]
+        row = {"label": layout.label(), "layout": asdict(layout), **layout.degrees, "fsdp": layout.fsdp,
+               "ac": layout.ac, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+               "tokens_per_s_per_device": None, "mfu": None, "step_s": None, "exposed_s": None, "exposed_share": None,
+               "peak_gib": peak / GiB, "fits": peak <= memory_gib * GiB}  # fmt: skip
+        if layout in timed:
+            links = links_for(layout, gpus_per_node, intra, inter)
+            parts = [results[("time", layout, i)] for i in range(len(terms))]
+            pred = predict_from_parts(parts, terms, layout, device, links)
+            row.update({"tokens_per_s_per_device": pred["tokens_per_s_per_device"], "mfu": pred["mfu"],
                         "step_s": pred["step_s"], "exposed_s": pred["exposed_s"],
-                        "exposed_share": pred["exposed_s"] / pred["step_s"], "peak_gib": peak / GiB,
-                        "fits": peak <= memory_gib * GiB,
-                    })  # fmt: skip
-    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s_per_device"]))
+                        "exposed_share": pred["exposed_s"] / pred["step_s"]})  # fmt: skip
+        rows.append(row)
+    # fitting first, fastest first; then the rest, the least memory first
+    rows.sort(key=lambda r: (not r["fits"], -(r["tokens_per_s_per_device"] or 0) if r["fits"] else r["peak_gib"]))
     return {"rows": rows, "refused": refused, "best": next((r for r in rows if r["fits"]), None)}
 
 
-def _peak_bytes(arch: str, config, layout: TrainLayout, memory: dict) -> float:
-    """Peak bytes at `layout`'s micro-batch: replayed at micro-batches 1 and 2, linear in between and beyond."""
-    from dataclasses import replace
+def _family(layout: TrainLayout) -> tuple:
+    return tuple(layout.degrees.values()), layout.fsdp, layout.ac
 
-    for mb in (1, 2):
-        if mb not in memory:
-            memory[mb] = predict_training_memory(
-                arch, config, replace(layout, micro_batch=mb, grad_accum=1)
-            ).peak_bytes
-    slope = memory[2] - memory[1]
-    return memory[1] + slope * (layout.micro_batch - 1)
+
+def _memory_micro_batches(layouts: list[TrainLayout]) -> tuple[int, ...]:
+    """The micro-batches a family's memory is replayed at: 1 and 2, linear in between and beyond (activations and
+    the step's temporaries grow with the tokens, parameters and optimizer state do not); its one where it has one."""
+    micro_batches = {layout.micro_batch for layout in layouts}
+    return tuple(micro_batches) if len(micro_batches) == 1 else (1, 2)
+
+
+def run_jobs(jobs: dict, then, workers: int) -> dict:
+    """{key: function(*args)} for `jobs` ({key: (function, args)}) and for the jobs that `then(key, results)` returns
+    as each one ends, on `workers` processes (1: in this one)."""
+    results: dict = {}
+    # the memory replays first (the longest), so that the processes end together
+    queue = deque(sorted(jobs, key=lambda key: key[0] != "memory"))
+    jobs = dict(jobs)
+
+    def done(key, value) -> None:
+        results[key] = value
+        more = then(key, results)
+        jobs.update(more)
+        queue.extend(more)
+
+    if workers <= 1:
+        while queue:
+            key = queue.popleft()
+            done(key, jobs[key][0](*jobs[key][1]))
+        return results
+    # Workers from a fork server that imported the simulator once (a plain fork of this process would copy torch's
+    # threads mid-state); this process works too, on the jobs at the queue's other end, from the start (the workers
+    # take seconds to import torch).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["eval.simulator.stack", "eval.simulator.memory", "eval.simulator.training"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ProcessPoolExecutor(workers - 1, mp_context=context, initializer=_one_thread) as pool:
+            pending: dict = {}
+            while queue or pending:
+                while queue and len(pending) < 2 * (workers - 1):
+                    key = queue.popleft()
+                    pending[pool.submit(jobs[key][0], *jobs[key][1])] = key
+                if queue:
+                    key = queue.pop()
+                    done(key, jobs[key][0](*jobs[key][1]))
+                else:
+                    wait(pending, return_when=FIRST_COMPLETED)
+                for future in [f for f in pending if f.done()]:
+                    done(pending.pop(future), future.result())
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # a worker per core: torch's own threads would only compete with the other workers
 
 
 def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_node: int) -> str:

@@ -111,6 +111,13 @@ class Phase:
 def bandwidth_share(calls, link) -> float:
     """The fraction of the recorded collectives' link time on `link` that is bandwidth-bound (the rest is the
     link's latency: base + hops x alpha, `parallel.link.collective_time` with unlimited bandwidth)."""
+    total, latency = link_time_split(calls, link)
+    return 0.0 if total <= 0 else (total - latency) / total
+
+
+def link_time_split(calls, link) -> tuple[float, float]:
+    """(link time, its latency part) of the recorded collectives on `link`: sums over the collectives, so that
+    recordings of parts of a run add up (eval.simulator.stack)."""
     links = get_links(link)
     total = latency = 0.0
     for name, args, kwargs in calls:
@@ -130,7 +137,7 @@ def bandwidth_share(calls, link) -> float:
         else:
             total += collective_time(kind, nbytes, p, preset)
             latency += collective_time(kind, nbytes, p, free)
-    return 0.0 if total <= 0 else (total - latency) / total
+    return total, latency
 
 
 @dataclass

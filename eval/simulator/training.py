@@ -48,7 +48,7 @@ import models
 import parallel
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.kernels import fla_intra, flash_attention
-from eval.simulator.replay import bandwidth_share
+from eval.simulator.replay import link_time_split
 from parallel import comm
 from parallel.fsdp import is_expert, unit_modules
 from parallel.layout import shard_specs
@@ -295,41 +295,61 @@ class TrainingRecording:
         every collective, or {dimension: preset} with `fsdp` / `fsdp_experts` for FSDP's own). Overlapped
         communication is charged the device model's contention, as the generation replay charges it
         (eval.simulator.replay.Phase.replay: NCCL's kernels share the SMs and HBM with the compute they overlap)."""
+        return predict_step(self.parts(device, link), self.layout, device, link, self.world_size)
+
+    def parts(self, device: DeviceModel, link) -> dict:
+        """What `predict` is computed from, each a sum over the micro-batch's ops and collectives (so that the
+        parts of stacks of other depths combine linearly, eval.simulator.stack): the replay's marks, the link time
+        and its latency part, the compute, the recorded FLOPs, the optimizer's shard and the model's FLOPs."""
         times = self.clock.times(device)
         marks = self.recorder.replay(link, times)
         forward, micro = marks[0], marks[-1]
-        overlapped = max(0.0, micro["busy"] - micro["exposed"])
-        contention = device.contention_at(bandwidth_share(self.recorder.calls, link)) * overlapped
-        micro_s = micro["time"] + contention
-        optimizer = self.optimizer_time(device, link)
-        step = self.layout.grad_accum * micro_s + optimizer
-        tokens = self.layout.tokens_per_step
-        peak = device.device.peak_flops
-        recorded = sum(self.clock.flops)
+        link_total, link_latency = link_time_split(self.recorder.calls, link)
         return {
-            "step_s": step,
-            "micro_batch_s": micro_s,
-            "forward_s": forward["time"],
-            "backward_s": micro["time"] - forward["time"],
-            "contention_s": contention * self.layout.grad_accum,
-            "overlapped_s": overlapped * self.layout.grad_accum,
-            "optimizer_s": optimizer,
-            "compute_s": times[-1],
-            "exposed_s": micro["exposed"] * self.layout.grad_accum,
-            "exposed_by": {k: v * self.layout.grad_accum for k, v in micro["exposed_by"].items()},
-            "busy_s": micro["busy"] * self.layout.grad_accum,
-            "tokens_per_s": tokens / step,
-            "tokens_per_s_per_device": tokens / step / self.world_size,
-            "mfu": math.nan if self.model_flops_per_token is None else self.model_flops_per_token * tokens / step / (self.world_size * peak),
-            "hfu": recorded * self.layout.grad_accum / step / peak,
-        }
+            "forward": forward["time"], "micro": micro["time"], "busy": micro["busy"], "exposed": micro["exposed"],
+            "exposed_by": dict(micro["exposed_by"]), "link_total": link_total, "link_latency": link_latency,
+            "compute": times[-1], "recorded_flops": sum(self.clock.flops), "shard_params": self.shard_params,
+            "model_flops_per_token": math.nan if self.model_flops_per_token is None else self.model_flops_per_token,
+        }  # fmt: skip
 
-    def optimizer_time(self, device: DeviceModel, link) -> float:
-        nbytes = OPTIMIZER_BYTES_PER_PARAM * self.shard_params
-        t = device.op_time(0, nbytes, True) + (OPTIMIZER_KERNELS - 1) * device.kernel_overhead_s
-        links = get_links(link)
-        preset = links if not isinstance(links, dict) else links.get(FSDP_DIM, next(iter(links.values())))
-        return t + collective_time("all_reduce", 4, self.world_size, preset)  # the norm over every rank
+
+def predict_step(parts: dict, layout: TrainLayout, device: DeviceModel, link, world_size: int) -> dict:
+    """`TrainingRecording.predict` from its `parts` (module docstring)."""
+    overlapped = max(0.0, parts["busy"] - parts["exposed"])
+    total, latency = parts["link_total"], parts["link_latency"]
+    share = 0.0 if total <= 0 else (total - latency) / total
+    contention = device.contention_at(share) * overlapped
+    micro_s = parts["micro"] + contention
+    optimizer = optimizer_time(parts["shard_params"], device, link, world_size)
+    step = layout.grad_accum * micro_s + optimizer
+    tokens = layout.tokens_per_step
+    peak = device.device.peak_flops
+    return {
+        "step_s": step,
+        "micro_batch_s": micro_s,
+        "forward_s": parts["forward"],
+        "backward_s": parts["micro"] - parts["forward"],
+        "contention_s": contention * layout.grad_accum,
+        "overlapped_s": overlapped * layout.grad_accum,
+        "optimizer_s": optimizer,
+        "compute_s": parts["compute"],
+        "exposed_s": parts["exposed"] * layout.grad_accum,
+        "exposed_by": {k: v * layout.grad_accum for k, v in parts["exposed_by"].items()},
+        "busy_s": parts["busy"] * layout.grad_accum,
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_device": tokens / step / world_size,
+        "mfu": parts["model_flops_per_token"] * tokens / step / (world_size * peak),
+        "hfu": parts["recorded_flops"] * layout.grad_accum / step / peak,
+    }
+
+
+def optimizer_time(shard_params: float, device: DeviceModel, link, world_size: int) -> float:
+    """AdamW and the gradient norm's clipping over this rank's shard (memory-bound), plus the norm's all-reduce."""
+    nbytes = OPTIMIZER_BYTES_PER_PARAM * shard_params
+    t = device.op_time(0, nbytes, True) + (OPTIMIZER_KERNELS - 1) * device.kernel_overhead_s
+    links = get_links(link)
+    preset = links if not isinstance(links, dict) else links.get(FSDP_DIM, next(iter(links.values())))
+    return t + collective_time("all_reduce", 4, world_size, preset)  # the norm over every rank
 
 
 def shard_params(model: nn.Module, layout: TrainLayout) -> int:
