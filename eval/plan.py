@@ -8,6 +8,7 @@ WANDB_MODE says otherwise), as the bench does.
 """
 
 import os
+import time
 from pathlib import Path
 
 import hydra
@@ -41,6 +42,7 @@ def run_plan(cfg: dict, out_dir: Path) -> dict:
     usable = float(memory) - float(cfg["headroom_gib"])
     workers = cfg.get("workers") or os.cpu_count() or 1
     out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     if cfg["task"] == "train":
         for key in ("gpus", "gpus_per_node", "seq_len"):
             if not isinstance(cfg[key], int) or cfg[key] < 1:
@@ -68,7 +70,8 @@ def run_plan(cfg: dict, out_dir: Path) -> dict:
     else:
         raise ValueError(f"task={cfg['task']!r} must be 'train' or 'generate'.")
     result.update({"model": arch, "shape": cfg["bench_shape"]["name"], "compute": cfg["compute"],
-                   "memory_gib": memory, "usable_gib": usable, "task": cfg["task"]})  # fmt: skip
+                   "memory_gib": memory, "usable_gib": usable, "task": cfg["task"],
+                   "planned_s": time.perf_counter() - started, "workers": workers})  # fmt: skip
     report.write_json(out_dir / "plan.json", result)
     image = plot(out_dir / "plan.png", result)
     (out_dir / "README.md").write_text(markdown(result, cfg, image), encoding="utf-8")
@@ -82,7 +85,7 @@ def plot(path: Path, result: dict) -> Path:
     for fits, colour, label in ((True, "C0", "fits"), (False, "C3", "does not fit")):
         rows = [r for r in result["rows"] if r["fits"] == fits and r[key] is not None]
         ax.scatter([r["peak_gib"] for r in rows], [r[key] for r in rows], color=colour, s=18, label=label)
-    untimed = [r["peak_gib"] for r in result["rows"] if r[key] is None]
+    untimed = [r["peak_gib"] for r in result["rows"] if r[key] is None and r["peak_gib"] is not None]
     if untimed:  # not timed: their memory does not fit (prune=true)
         ax.scatter(untimed, [0] * len(untimed), color="C3", marker="x", s=18, label="does not fit (not timed)")
     if result["best"]:
@@ -163,8 +166,14 @@ def markdown(result: dict, cfg: dict, image: Path) -> str:
             lines += ["```", result["command"], "```", ""]
     lines += [report.write_markdown_table(result["rows"], columns), ""]
     untimed = sum(1 for r in result["rows"] if r.get("step_s", 0) is None)
+    unreplayed = sum(1 for r in result["rows"] if r.get("not_replayed"))
     if untimed:
-        lines += [f"{untimed} layouts do not fit in memory and were not timed (n/a); `prune=false` times them too.", ""]
+        lines += [f"{untimed} layouts do not fit in memory and were not timed (n/a), {unreplayed} of them not replayed "
+                  "in memory either (a lighter layout of theirs, a smaller micro-batch or more activation "
+                  "checkpointing, is over the memory already); `prune=false` replays them all.", ""]  # fmt: skip
+    if result["task"] == "train":
+        lines += [f"Planned in {result['planned_s']:.1f} s on {result['workers']} processes (`workers`) of the machine "
+                  "that ran it.", ""]  # fmt: skip
     if result["refused"]:
         lines += ["## Refused layouts", "", *(f"- {r['degrees']}: {r['why']}" for r in result["refused"]), ""]
     lines += [f"![layouts]({image.name})", ""]

@@ -195,14 +195,15 @@ def test_shallow_stacks_give_the_full_replay(arch):
     from eval.simulator import stack
 
     config = _deep(arch)
-    terms = stack.stack_terms(arch, config)
-    assert len(terms) > 1 and all(c.num_hidden_layers < config.num_hidden_layers for c, _ in terms)  # shortened
+    terms = {settle: stack.stack_terms(arch, config, settle) for settle in (stack.TIME_SETTLE, stack.MEMORY_SETTLE)}
+    for found in terms.values():
+        assert len(found) > 1 and all(c.num_hidden_layers < config.num_hidden_layers for c, _ in found)  # shortened
     layout = STACK_LAYOUTS[list(models.ZOO).index(arch) % len(STACK_LAYOUTS)]
-    fast = stack.predict_training(arch, terms, layout, H100, "nvlink-h100")
+    fast = stack.predict_training(arch, terms[stack.TIME_SETTLE], layout, H100, "nvlink-h100")
     full = record_training(arch, config, layout).predict(H100, "nvlink-h100")
     for key in ("step_s", "exposed_s", "tokens_per_s_per_device", "mfu"):
         assert fast[key] == pytest.approx(full[key], rel=1e-9), key
-    fast_memory = stack.predict_training_memory(arch, terms, layout)
+    fast_memory = stack.predict_training_memory(arch, terms[stack.MEMORY_SETTLE], layout)
     full_memory = predict_training_memory(arch, config, layout)
     assert fast_memory.peak_bytes == pytest.approx(full_memory.peak_bytes, rel=1e-9)
 
@@ -217,16 +218,21 @@ def test_planner_best_fits_and_rejected_do_not():
     bound = peaks[len(peaks) // 2]  # about half the layouts fit
     plan = plan_training("llama", c, memory_gib=bound, **kw)
     assert plan["best"] is not None and plan["best"]["peak_gib"] <= bound
-    assert all(r["peak_gib"] > bound for r in plan["rows"] if not r["fits"])
+    assert all(r["peak_gib"] > bound for r in plan["rows"] if not r["fits"] and not r["not_replayed"])
     assert all(r["peak_gib"] <= bound for r in plan["rows"] if r["fits"])
     assert any(not r["fits"] for r in plan["rows"])
     fitting = [r["tokens_per_s_per_device"] for r in everything.values() if r["peak_gib"] <= bound]
     assert plan["best"]["tokens_per_s_per_device"] == max(fitting)
-    # Pruned (the default): the layouts that do not fit are not timed, the others as when every one is timed.
+    # Pruned (the default): the layouts that do not fit are not timed, nor replayed in memory where a lighter one
+    # (a smaller micro-batch, more checkpointing) is over the bound already; the others as when all are replayed.
+    assert any(r["not_replayed"] for r in plan["rows"])
     for row in plan["rows"]:
-        assert row["peak_gib"] == everything[row["label"]]["peak_gib"]
-        want = everything[row["label"]]["tokens_per_s_per_device"] if row["fits"] else None
-        assert row["tokens_per_s_per_device"] == want
+        full = everything[row["label"]]
+        if row["not_replayed"]:
+            assert row["peak_gib"] is None and not row["fits"] and full["peak_gib"] > bound
+        else:
+            assert row["peak_gib"] == full["peak_gib"]
+        assert row["tokens_per_s_per_device"] == (full["tokens_per_s_per_device"] if row["fits"] else None)
 
 
 def test_planner_rows_equal_full_replays(monkeypatch):
@@ -237,7 +243,7 @@ def test_planner_rows_equal_full_replays(monkeypatch):
     kw = dict(gpus=4, gpus_per_node=2, device=H100, seq_len=32, global_batch_tokens=8 * 32, micro_batches=(1, 2),
               ac_modes=("none", "full"), fsdp=(True,), ep=[2], memory_gib=1e6, show_progress=False)  # fmt: skip
     fast = plan_training("moe", config, workers=2, **kw)["rows"]
-    monkeypatch.setattr(planner, "stack_terms", lambda arch, config: [(config, 1.0)])
+    monkeypatch.setattr(planner, "stack_terms", lambda arch, config, settle: [(config, 1.0)])
     full = plan_training("moe", config, **kw)["rows"]
     assert len(fast) >= 4 and [r["label"] for r in fast] == [r["label"] for r in full]
     for a, b in zip(fast, full, strict=True):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import models
 from eval.bench.settings import TrainingSettings
+from eval.flops import flops_per_token
 from eval.simulator.heldout import device_model
 from eval.simulator.training import (
     RECORDING_LINK,
@@ -34,7 +35,6 @@ from eval.simulator.training import (
     run_step,
     shard_params,
 )
-from eval.throughput import flops_per_token
 from parallel import comm
 from parallel.link import ClockRecorder, collective_time, get_link
 from train.activation_checkpointing import MODES as AC_MODES

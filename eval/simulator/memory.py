@@ -29,6 +29,7 @@ Generation (`predict_inference_memory`): the weights in their dtype, as sharded,
 cache (`make_cache(static=True)`) of `max_len` tokens, at the peak of a prefill of the prompt.
 """
 
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -67,6 +68,32 @@ class TrainingMemory:
         return out
 
 
+class _RootPeakTracker(MemTracker):
+    """PyTorch's MemTracker keeping the peak of the whole step and of the root module only.
+
+    At every op the tracker updates the peak of each module it has seen that is running (walking a weak dictionary
+    of all of them): most of a replay's time, for per-module peaks nothing here reads. This keeps its rule for the
+    one module read (the root: its forward's peak tells the peak's phase) and for the step. Ours because torch has
+    no setting for it; `_update_peak_stats` is the tracker's own hook at torch 2.13 (pinned)."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        super().__init__()
+        self._root = root
+
+    def _update_peak_stats(self, peak_state) -> None:
+        current = self._curr_mem_snap
+        stats = self.memory_tracking.get(self._root)
+        if stats is not None and stats.mod_fqn in self._mod_tracker.parents and peak_state in stats.snapshots:
+            for dev, snap in current.items():
+                if stats.local_peak.get(dev, 0) < snap["Total"]:
+                    stats.local_peak[dev] = snap["Total"]
+                    stats.snapshots[peak_state][-1][dev] = deepcopy(snap)
+        for dev, snap in current.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = deepcopy(snap)
+
+
 def _device_total(snapshot: dict) -> dict:
     """The tracker's snapshot of the one device it saw: {kind name: bytes}."""
     (per_device,) = [v for k, v in snapshot.items() if isinstance(k, torch.device)]
@@ -96,7 +123,7 @@ def predict_training_memory(
             model.train()
             shard = shard_params(model, layout) if not fsdp else _local_numel(model)
             ids = torch.zeros(layout.micro_batch, layout.seq_len // layout.sp, dtype=torch.long)
-            tracker = MemTracker()
+            tracker = _RootPeakTracker(model)
             tracker.track_external(model)
             with tracker:
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss

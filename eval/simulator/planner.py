@@ -17,8 +17,10 @@ then sp, ep, dp (parallel.init_mesh's order), so a dimension's group spans `size
 Memory is replayed at micro-batch 1 and 2 for each (mesh, engine, AC) and taken as linear in the micro-batch
 between and beyond them (activations and the step's temporaries grow with the tokens, parameters and optimizer
 state do not): two replays per layout family instead of one per micro-batch (one where the family has one
-micro-batch). Time is replayed for every layout. Every replay is of shallow stacks of the model's layers, combined
-to its depth (eval.simulator.stack: exact where the layers repeat), so a plan's time does not grow with the depth.
+micro-batch). Time is replayed for every layout that fits (`prune=False`: for every layout); what cannot fit is
+not replayed at all (`_replay`: a family whose lighter setting is already over the memory). Every replay is of
+shallow stacks of the model's layers, combined to its depth (eval.simulator.stack: exact where the layers
+repeat), so a plan's time does not grow with the depth. The replays run on a process per core (`workers`).
 """
 
 import math
@@ -35,7 +37,16 @@ import models
 from eval.simulator.device import DeviceModel
 from eval.simulator.memory import GiB, predict_inference_memory
 from eval.simulator.replay import build_meta, record_generation, release
-from eval.simulator.stack import memory_from_parts, memory_of, predict_from_parts, stack_terms, time_parts
+from eval.simulator.stack import (
+    MEMORY_SETTLE,
+    TIME_SETTLE,
+    memory_from_parts,
+    memory_of,
+    predict_from_parts,
+    stack_terms,
+    time_parts,
+    train_flops,
+)
 from eval.simulator.training import EXPERT_DIM, FSDP_DIM, TrainLayout
 from parallel.fsdp import shards_over
 from parallel.link import HierarchicalLink, get_link
@@ -130,7 +141,8 @@ def plan_training(
 ) -> dict:
     """Every layout predicted (module docstring): {"rows": [...] ranked, fitting first; "refused": [...]}, its
     replays on `workers` processes. With `prune`, a layout whose memory does not fit is not timed (its row has
-    no tokens/s). A progress bar on stderr counts the layouts done and left (`show_progress=False`: none)."""
+    no tokens/s), nor replayed in memory where a lighter one of its family is over already (no peak either; its
+    `not_replayed` says why). A progress bar on stderr counts the layouts done and left (`show_progress=False`)."""
     if gpus % gpus_per_node and gpus > gpus_per_node:
         raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}.")
     if global_batch_tokens % seq_len:
@@ -151,72 +163,142 @@ def plan_training(
                         continue
                     layouts.append(TrainLayout(**degrees, fsdp=use_fsdp, ac=ac, micro_batch=mb, seq_len=seq_len,
                                                grad_accum=sequences // (replicas * mb)))  # fmt: skip
-    terms = stack_terms(arch, config)  # the full depth from replays of shallow stacks (eval.simulator.stack)
-    families: dict = {}  # (mesh, engine, AC) -> its layouts
-    for layout in layouts:
-        families.setdefault(_family(layout), []).append(layout)
-    # Every replay once: each family's memory (at micro-batches 1 and 2, or at its one micro-batch; one replay per
-    # shallow stack), then the time of each of its layouts that fits (or of all, with `prune=False`).
-    memory_jobs = {
-        ("memory", family, mb, i): (memory_of, (arch, shallow, replace(members[0], micro_batch=mb, grad_accum=1)))
-        for family, members in families.items()
-        for mb in _memory_micro_batches(members)
-        for i, (shallow, _) in enumerate(terms)
-    }
-    peaks: dict = {}  # layout -> peak bytes
-    timed: set = set()  # the layouts whose time is replayed
-    bar = tqdm(total=len(layouts), desc="[plan] layouts", unit="layout", file=sys.stderr, disable=not show_progress)
-
-    def then(key, results) -> dict:
-        """The jobs a finished one makes possible: a family's memory known, the time of its layouts that fit."""
-        if key[0] == "time":
-            layout = key[1]
-            if all(("time", layout, i) in results for i in range(len(terms))):
-                bar.update()
-            return {}
-        family = key[1]
-        mbs = _memory_micro_batches(families[family])
-        if not all(("memory", family, mb, i) in results for mb in mbs for i in range(len(terms))):
-            return {}
-        found = {mb: memory_from_parts([results[("memory", family, mb, i)] for i in range(len(terms))], terms).peak_bytes
-                 for mb in mbs}  # fmt: skip
-        follow = {}
-        for layout in families[family]:
-            mb = layout.micro_batch
-            peaks[layout] = found[mb] if mb in found else found[1] + (found[2] - found[1]) * (mb - 1)
-            if prune and peaks[layout] > memory_gib * GiB:
-                bar.update()
-                continue
-            timed.add(layout)
-            links = links_for(layout, gpus_per_node, intra, inter)
-            for i, (shallow, _) in enumerate(terms):
-                follow[("time", layout, i)] = (time_parts, (arch, shallow, layout, device, links))
-        return follow
-
-    results = run_jobs(memory_jobs, then, workers)
+    # the full depth from replays of shallow stacks (eval.simulator.stack): memory's, time's
+    terms = stack_terms(arch, config, MEMORY_SETTLE), stack_terms(arch, config, TIME_SETTLE)
+    for shallow, _ in terms[1]:
+        train_flops(arch, shallow, seq_len)  # counted here once, not in each worker
+    bar = tqdm(
+        total=len(layouts), desc="[plan] layouts", unit="layout", file=sys.stderr, disable=not show_progress
+    )
+    limit = memory_gib * GiB if prune else math.inf
+    peaks, skipped, times = _replay(arch, terms, layouts, limit, bar.update, workers,
+                                    lambda layout: (device, links_for(layout, gpus_per_node, intra, inter)))  # fmt: skip
     bar.close()
     rows = []
     for layout in layouts:
-        peak = peaks[layout]
+        peak = peaks.get(layout)
         row = {"label": layout.label(), "layout": asdict(layout), **layout.degrees, "fsdp": layout.fsdp,
                "ac": layout.ac, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
                "tokens_per_s_per_device": None, "mfu": None, "step_s": None, "exposed_s": None, "exposed_share": None,
-               "peak_gib": peak / GiB, "fits": peak <= memory_gib * GiB}  # fmt: skip
-        if layout in timed:
+               "peak_gib": None if peak is None else peak / GiB, "fits": peak is not None and peak <= memory_gib * GiB,
+               "not_replayed": skipped.get(layout)}  # fmt: skip
+        if layout in times:
             links = links_for(layout, gpus_per_node, intra, inter)
-            parts = [results[("time", layout, i)] for i in range(len(terms))]
-            pred = predict_from_parts(parts, terms, layout, device, links)
+            pred = predict_from_parts(times[layout], terms[1], layout, device, links)
             row.update({"tokens_per_s_per_device": pred["tokens_per_s_per_device"], "mfu": pred["mfu"],
                         "step_s": pred["step_s"], "exposed_s": pred["exposed_s"],
                         "exposed_share": pred["exposed_s"] / pred["step_s"]})  # fmt: skip
         rows.append(row)
     # fitting first, fastest first; then the rest, the least memory first
-    rows.sort(key=lambda r: (not r["fits"], -(r["tokens_per_s_per_device"] or 0) if r["fits"] else r["peak_gib"]))
+    rows.sort(
+        key=lambda r: (
+            not r["fits"],
+            -r["tokens_per_s_per_device"] if r["fits"] else r["peak_gib"] or math.inf,
+        )
+    )
     return {"rows": rows, "refused": refused, "best": next((r for r in rows if r["fits"]), None)}
 
 
-def _family(layout: TrainLayout) -> tuple:
-    return tuple(layout.degrees.values()), layout.fsdp, layout.ac
+# The activation-checkpointing modes from the least memory to the most (at one mesh, engine and micro-batch).
+AC_BY_MEMORY = ("full", "selective", "none")
+
+
+def _replay(arch: str, terms, layouts: list[TrainLayout], limit: float, done, workers: int, where):
+    """The replays of `layouts`, each once, on `workers` processes: ({layout: peak bytes}, {layout: why it was not
+    replayed}, {layout: its shallow stacks' time parts}); `done()` once per layout finished. `terms`: the shallow
+    stacks (eval.simulator.stack.stack_terms) of the memory replays and of the time replays.
+
+    Memory per family (mesh, engine, AC): at micro-batches 1 and 2 (or at its one micro-batch), one replay per
+    shallow stack; then the time of each of its layouts whose peak is within `limit` (`where(layout)`: the device
+    and links it is timed on). What cannot fit is not replayed: memory grows with the micro-batch and from full to
+    selective to no activation checkpointing, so a family whose first micro-batch is over `limit` is not replayed
+    at the second, and one whose lightest AC mode is over it has its other AC modes skipped."""
+    families: dict = {}
+    for layout in layouts:
+        families.setdefault((tuple(layout.degrees.values()), layout.fsdp, layout.ac), []).append(layout)
+    modes = {}  # (mesh, engine) -> its families, the lightest AC first
+    for family in families:
+        modes.setdefault(family[:2], []).append(family)
+    for group in modes.values():
+        group.sort(
+            key=lambda family: (
+                AC_BY_MEMORY.index(family[2]) if family[2] in AC_BY_MEMORY else len(AC_BY_MEMORY)
+            )
+        )
+    micro = {family: _memory_micro_batches(members) for family, members in families.items()}
+    memory_terms, time_terms = terms
+    peaks, skipped, times, found = {}, {}, {}, {}
+
+    def memory(family, mb) -> dict:
+        layout = replace(families[family][0], micro_batch=mb, grad_accum=1)
+        return {
+            ("memory", family, mb, i): (memory_of, (arch, shallow, layout))
+            for i, (shallow, _) in enumerate(memory_terms)
+        }
+
+    def skip(family, why: str) -> None:
+        for layout in families[family]:
+            skipped[layout] = why
+            done()
+
+    def then(key, results) -> dict:
+        """The jobs a finished one makes possible (the order in the docstring)."""
+        if key[0] == "time":
+            layout = key[1]
+            if all(("time", layout, i) in results for i in range(len(time_terms))):
+                times[layout] = [results[("time", layout, i)] for i in range(len(time_terms))]
+                done()
+            return {}
+        _, family, mb, _ = key
+        if not all(("memory", family, mb, i) in results for i in range(len(memory_terms))):
+            return {}
+        parts = [results[("memory", family, mb, i)] for i in range(len(memory_terms))]
+        found[family, mb] = memory_from_parts(parts, memory_terms).peak_bytes
+        follow = {}
+        first = micro[family][0]
+        if mb == first and limit < math.inf and family == modes[family[:2]][0]:
+            # the lightest AC mode: the others follow if it fits
+            for other in modes[family[:2]][1:]:
+                if found[family, mb] <= limit:
+                    follow.update(memory(other, micro[other][0]))
+                else:
+                    skip(other, f"not replayed: ac={family[2]} (less memory) needs {found[family, mb] / GiB:.1f} "
+                                f"GiB at micro-batch {mb}")  # fmt: skip
+        if mb == first and found[family, mb] > limit and len(micro[family]) > 1:
+            for layout in families[family]:  # micro-batch 1 is over the limit: larger ones are too
+                if layout.micro_batch != first:
+                    skipped[layout] = (
+                        f"not replayed: micro-batch {first} needs {found[family, mb] / GiB:.1f} GiB"
+                    )
+                    done()
+                else:
+                    peaks[layout] = found[family, mb]
+                    done()
+            return follow
+        if mb == first and len(micro[family]) > 1:
+            follow.update(memory(family, micro[family][1]))
+            return follow
+        for layout in families[family]:  # every micro-batch replayed: the family's peaks, its layouts timed
+            m = layout.micro_batch
+            if (family, m) in found:
+                peaks[layout] = found[family, m]
+            else:  # linear in the micro-batch (module docstring)
+                peaks[layout] = found[family, 1] + (found[family, 2] - found[family, 1]) * (m - 1)
+            if peaks[layout] > limit:
+                done()
+                continue
+            device, links = where(layout)
+            for i, (shallow, _) in enumerate(time_terms):
+                follow[("time", layout, i)] = (time_parts, (arch, shallow, layout, device, links))
+        return follow
+
+    start = {}
+    for group in modes.values():
+        # with a limit, the lightest AC mode first (the others wait on it); without, every family at once
+        for family in group[:1] if limit < math.inf else group:
+            start.update(memory(family, micro[family][0]))
+    run_jobs(start, then, workers)
+    return peaks, skipped, times
 
 
 def _memory_micro_batches(layouts: list[TrainLayout]) -> tuple[int, ...]:
@@ -245,11 +327,11 @@ def run_jobs(jobs: dict, then, workers: int) -> dict:
             key = queue.popleft()
             done(key, jobs[key][0](*jobs[key][1]))
         return results
-    # Workers from a fork server that imported the simulator once (a plain fork of this process would copy torch's
-    # threads mid-state); this process works too, on the jobs at the queue's other end, from the start (the workers
-    # take seconds to import torch).
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["eval.simulator.stack", "eval.simulator.memory", "eval.simulator.training"])
+    # Workers forked from this process, as torch's DataLoader forks its workers: they start at once with everything
+    # imported and the FLOP counts cached (a fork server or spawn would import torch and transformers again,
+    # seconds of a plan that takes tens); each job builds its own models and process group. This process works
+    # too, on the jobs at the queue's other end.
+    context = multiprocessing.get_context("fork")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -274,7 +356,9 @@ def run_jobs(jobs: dict, then, workers: int) -> dict:
 def _one_thread() -> None:
     import torch
 
-    torch.set_num_threads(1)  # a worker per core: torch's own threads would only compete with the other workers
+    torch.set_num_threads(
+        1
+    )  # a worker per core: torch's own threads would only compete with the other workers
 
 
 def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_node: int) -> str:
@@ -283,7 +367,11 @@ def pretrain_command(arch: str, row: dict, shape: dict, seq_len: int, gpus_per_n
     gpus = row["dp"] * row["ep"] * row["sp"] * row["tp"]
     nodes, per_node = max(1, gpus // gpus_per_node), min(gpus, gpus_per_node)
     # bf16 compute: FSDP's mixed precision where FSDP shards over data ranks, Lightning's autocast otherwise
-    precision = "parallel.param_dtype=bfloat16" if row["fsdp"] and shards_over(row) else "trainer.precision=bf16-mixed"
+    precision = (
+        "parallel.param_dtype=bfloat16"
+        if row["fsdp"] and shards_over(row)
+        else "trainer.precision=bf16-mixed"
+    )
     # `++`: a field the model group's config does not list is added (vocab_size among them: the embedding the plan
     # sized, which holds a smaller tokenizer's ids too); a ladder variant is its sibling's group with the ladder
     # schedule on every layer, as the variant's bench config has it.

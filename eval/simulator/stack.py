@@ -17,10 +17,11 @@ is what made a 70B plan take minutes.
   p that its layers take after their first few (an MoE layer every other layer: p = 2; a hybrid's `layer_pattern`:
   its length; MoE++'s first layer, without the gating residual, sits in the part that does not repeat);
 - a shallow config keeps every setting but `num_hidden_layers` (and `ladder_layers`): each segment shortened to
-  one period past its first layers that differ and two more (FSDP's prefetch settles within them), at its own
-  phase (the same layer kinds at the same positions), and one more config per segment with one period more. Each
-  shallow stack is built and its layers compared with the full one's first layers of each segment: if they differ
-  (a setting that depends on the depth), or a segment is too short to shorten, the full config is replayed as it is.
+  one period past its first layers that differ and `settle` more (FSDP's prefetch settles within them: one layer
+  for the time, two for the memory), at its own phase (the same layer kinds at the same positions), and one more
+  config per segment with one period more. Each shallow stack is built and its layers compared with the full one's
+  first layers of each segment: if they differ (a setting that depends on the depth), or a segment is too short to
+  shorten, the full config is replayed as it is.
 
 `combine(values, coefficients)` adds numbers (and dicts of numbers, key by key) with the coefficients. The simulator's
 tests replay full stacks against the combinations at a small shape for every architecture.
@@ -34,13 +35,14 @@ import models
 from models.common.residual import laddered_indices
 
 # A segment's first layers may differ from the rest (MoE++'s first layer has no gating residual): at most MAX_LEAD
-# of them; the repeating part's period is at most MAX_PERIOD layers. SETTLE layers more before the repeating part:
-# FSDP's prefetch reaches its steady state within them (in the backward the gather of the layer after next is
-# issued while a layer's gradients are reduced: at two layers, the step's temporaries at the peak are not yet
-# those of a deep stack).
+# of them; the repeating part's period is at most MAX_PERIOD layers. Then `settle` layers more before the repeating
+# part, where FSDP's prefetch and the link's queue reach their steady state: one for the step's time; two for its
+# memory (in the backward the gather of the layer after next is issued while a layer's gradients are reduced: at
+# two layers the temporaries at the peak are not yet those of a deep stack).
 MAX_LEAD = 2
 MAX_PERIOD = 8
-SETTLE = 2
+TIME_SETTLE = 1
+MEMORY_SETTLE = 2
 
 
 def _layer_signatures(arch: str, config) -> list[tuple]:
@@ -61,7 +63,9 @@ def _layer_signatures(arch: str, config) -> list[tuple]:
 
 def _is_ladder(config) -> bool:
     """Whether the config runs the ladder schedule: `residual: ladder`, or Ladder's own config (no `residual`)."""
-    return getattr(config, "residual", "ladder" if hasattr(config, "ladder_layers") else "standard") == "ladder"
+    return (
+        getattr(config, "residual", "ladder" if hasattr(config, "ladder_layers") else "standard") == "ladder"
+    )
 
 
 def _laddered(config) -> frozenset[int]:
@@ -98,9 +102,11 @@ def _period(signatures: list[tuple]) -> tuple[int, int] | None:
     return None
 
 
-def stack_terms(arch: str, config) -> list[tuple[object, float]]:
-    """`[(config_i, c_i)]`: the full `config` as a combination of shallow ones (module docstring); `[(config, 1)]`
-    where the layers do not repeat in a way shallow stacks reproduce."""
+def stack_terms(arch: str, config, settle: int = MEMORY_SETTLE) -> list[tuple[object, float]]:
+    """`[(config_i, c_i)]`: the full `config` as a combination of shallow ones (module docstring), each segment's
+    repeating part starting `settle` layers after its first layers that differ (TIME_SETTLE is enough for the
+    step's time, MEMORY_SETTLE for its memory too); `[(config, 1)]` where the layers do not repeat in a way
+    shallow stacks reproduce."""
     whole = [(config, 1.0)]
     segments = _segments(config)
     if segments is None:
@@ -113,11 +119,11 @@ def stack_terms(arch: str, config) -> list[tuple[object, float]]:
     if any(f is None for f in found):
         return whole
     period = reduce(lambda a, b: a * b // _gcd(a, b), [p for p, _ in found])
-    # Each segment: its first layers that differ, SETTLE layers more, then one period, at the segment's own phase
+    # Each segment: its first layers that differ, `settle` layers more, then one period, at the segment's own phase
     # (its length less a multiple of p).
     base = []
     for n, (_, lead) in zip(lengths, found, strict=True):
-        lead += SETTLE
+        lead += settle
         short = lead + period + (n - lead) % period
         base.append(n if short + period >= n else short)  # too short to gain anything: kept whole
     if base == lengths:
@@ -176,7 +182,7 @@ def time_parts(arch: str, config, layout, device, link) -> dict:
     from eval.simulator.training import record_training
 
     found = record_training(arch, config, layout, model_flops=False).parts(device, link)
-    found["model_flops_per_token"] = _train_flops(arch, config.to_json_string(), layout.seq_len)
+    found["model_flops_per_token"] = train_flops(arch, config, layout.seq_len)
     return found
 
 
@@ -194,13 +200,17 @@ def predict_training(arch: str, terms, layout, device, link) -> dict:
     return predict_from_parts(parts, terms, layout, device, link)
 
 
+def train_flops(arch: str, config, seq_len: int) -> float:
+    """The model FLOPs per token of a training step (eval.flops), counted once per config and length in a
+    process (they do not depend on the layout; the planner counts them before its workers fork)."""
+    return _train_flops(arch, config.to_json_string(), seq_len)
+
+
 @cache
 def _train_flops(arch: str, config_json: str, seq_len: int) -> float:
-    """The model FLOPs per token of a training step (eval.throughput), once per config and length: they do not
-    depend on the layout."""
     import json
 
-    from eval.throughput import flops_per_token
+    from eval.flops import flops_per_token
 
     config_class = models.get(arch).config_class
     return flops_per_token(arch, config_class.from_dict(json.loads(config_json)), seq_len).train

@@ -32,7 +32,7 @@ element of the shard, plus the norm's all-reduce of one number over every rank. 
 the device model's contention, as in the generation replay.
 
 MFU (`mfu`) is the model FLOPs utilisation as PaLM and torchtitan define it: the forward + backward FLOPs of the
-tokens (eval.throughput.flops_per_token: the trainer's own count, without the recomputation) per second, over the
+tokens (eval.flops.flops_per_token: the trainer's own count, without the recomputation) per second, over the
 peak of the devices; `hfu` counts the recorded FLOPs (recomputation included).
 """
 
@@ -287,7 +287,7 @@ class TrainingRecording:
     counts: dict
     shard_params: int  # fp32 elements the optimizer updates on this rank
     all_params: int  # the whole model's (every rank's parameters once)
-    model_flops_per_token: float | None  # forward + backward, no recomputation (eval.throughput); None: not counted
+    model_flops_per_token: float | None  # forward + backward, no recomputation (eval.flops); None: not counted
     world_size: int
 
     def predict(self, device: DeviceModel, link) -> dict:
@@ -390,9 +390,9 @@ def record_training(
     aten op as the meta device runs it. `fuse_pointwise`: elementwise ops fused into their neighbours (a compiled
     step, `trainer.compile=true`); False charges each as a kernel of its own (eager). `rank`: the rank played
     (a step is set by its slowest rank: sequence parallelism's last chunk). `model_flops=False` skips MFU's
-    numerator (eval.throughput counts it on the whole unsharded model at the full length: slow for the linear
+    numerator (eval.flops counts it on the whole unsharded model at the full length: slow for the linear
     models' CPU chunked kernel at millions of tokens); `mfu` is then NaN."""
-    from eval.throughput import flops_per_token
+    from eval.flops import flops_per_token
 
     if kernels not in ("gpu", "as_run"):
         raise ValueError(f"kernels={kernels!r} must be 'gpu' or 'as_run'.")
