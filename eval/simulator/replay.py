@@ -111,7 +111,11 @@ class Phase:
 def bandwidth_share(calls, link) -> float:
     """The fraction of the recorded collectives' link time on `link` that is bandwidth-bound (the rest is the
     link's latency: base + hops x alpha, `parallel.link.collective_time` with unlimited bandwidth)."""
-    total, latency = link_time_split(calls, link)
+    return bandwidth_fraction(*link_time_split(calls, link))
+
+
+def bandwidth_fraction(total: float, latency: float) -> float:
+    """The bandwidth-bound fraction of `total` link time of which `latency` is latency (0 for no link time)."""
     return 0.0 if total <= 0 else (total - latency) / total
 
 

@@ -27,7 +27,8 @@ is what made a 70B plan take minutes.
 tests replay full stacks against the combinations at a small shape for every architecture.
 """
 
-from functools import cache, reduce
+import math
+from functools import cache
 
 import torch
 
@@ -118,7 +119,7 @@ def stack_terms(arch: str, config, settle: int = MEMORY_SETTLE) -> list[tuple[ob
     found = [_period(piece) for piece in pieces]
     if any(f is None for f in found):
         return whole
-    period = reduce(lambda a, b: a * b // _gcd(a, b), [p for p, _ in found])
+    period = math.lcm(*(p for p, _ in found))
     # Each segment: its first layers that differ, `settle` layers more, then one period, at the segment's own phase
     # (its length less a multiple of p).
     base = []
@@ -147,12 +148,6 @@ def stack_terms(arch: str, config, settle: int = MEMORY_SETTLE) -> list[tuple[ob
     except ValueError:  # a setting that does not take the shallower depth
         return whole
     return [tuple(term) for term in terms]
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _reproduces(arch: str, shallow, pieces: list[list[tuple]], lengths: list[int]) -> bool:

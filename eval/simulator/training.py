@@ -48,7 +48,7 @@ import models
 import parallel
 from eval.simulator.device import DeviceClock, DeviceModel
 from eval.simulator.kernels import fla_intra, flash_attention
-from eval.simulator.replay import link_time_split
+from eval.simulator.replay import bandwidth_fraction, link_time_split
 from parallel import comm
 from parallel.fsdp import is_expert, unit_modules
 from parallel.layout import shard_specs
@@ -316,8 +316,7 @@ class TrainingRecording:
 def predict_step(parts: dict, layout: TrainLayout, device: DeviceModel, link, world_size: int) -> dict:
     """`TrainingRecording.predict` from its `parts` (module docstring)."""
     overlapped = max(0.0, parts["busy"] - parts["exposed"])
-    total, latency = parts["link_total"], parts["link_latency"]
-    share = 0.0 if total <= 0 else (total - latency) / total
+    share = bandwidth_fraction(parts["link_total"], parts["link_latency"])
     contention = device.contention_at(share) * overlapped
     micro_s = parts["micro"] + contention
     optimizer = optimizer_time(parts["shard_params"], device, link, world_size)
