@@ -318,6 +318,7 @@ class ClockRecorder:
     def __init__(self, clock: VirtualClock):
         self.calls: list[tuple[str, tuple, dict]] = []
         self.times: list[float] = []
+        self.issue_marks: list[float] = []  # what the run's clock read at each collective's issue
         self._depth = 0
         self._issue_index: dict[float, int] = {}
         real_now = clock.now
@@ -343,6 +344,7 @@ class ClockRecorder:
                 self._depth -= 1
             if name == "issue":
                 self._issue_index[out] = len(self._issue_index)
+                self.issue_marks.append(self.times[-1])
             return out
 
         return call

@@ -1,6 +1,7 @@
 """The speed simulator outside the fitted regime, from first principles: TP 1 (the single-GPU baseline: the model
 unsharded, nothing sent), attention charged as the program a recording names (flash, gqa_expand, math: the scores
-in HBM), and a small prefill paying the per-kernel overhead of every kernel. Nothing here is fitted."""
+in HBM; inductor: decode by fused reductions), a small prefill paying the per-kernel overhead of every kernel, and a
+collective launched outside a CUDA graph paying its host cost. Nothing here is fitted."""
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ from tests.test_simulate import SHAPE
 FLOPS_ONLY = DeviceModel(DevicePreset("flops-only", 1e12, 1e30), eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
 # The committed constants (conf/bench.yaml device_model, eval.costmodel's fit) on an H100.
 H100 = DeviceModel.from_config(
-    "h100-sxm", eff_flops=0.385, eff_hbm=1.0, kernel_overhead_us=2.29, contention=0.24, contention_bw=0.71
+    "h100-sxm", eff_flops=0.409, eff_hbm=0.942, kernel_overhead_us=2.33, contention=0.245, contention_bw=0.695,
+    collective_launch_us=29.9,
 )
 BATCH, PROMPT, NEW = 2, 32, 16
 
@@ -150,13 +152,51 @@ def test_gqa_expand_is_kept_and_programs_are_named_or_a_clear_error():
     assert [n for n, _, _ in old] == ["repeat_kv", "scaled_dot_product_attention"]
     assert DeviceClock(gqa_expand=True).attention_program == "gqa_expand" and DeviceClock().attention_program == "flash"
     assert not DeviceClock(attention_program="math").gqa_expand  # kernels.flash_attention's training charge: flash
-    with pytest.raises(ValueError, match=r"attention_program='sdpa'; choose one of \['flash', 'gqa_expand', 'math'\]"):
+    with pytest.raises(ValueError, match=r"attention_program='sdpa'; choose one of \['flash', 'gqa_expand', 'math', 'inductor'\]"):
         DeviceClock(attention_program="sdpa")
     with pytest.raises(ValueError, match=r"gqa_expand=True and attention_program='math' disagree"):
         record_generation(None, 1, 1, 1, gqa_expand=True, attention_program="math")
     with pytest.raises(ValueError, match=r"attention_program='mat'; choose one of"):
         check_settings(bench_settings("compute=h100-sxm", "attention_program=mat"))
-    assert set(ATTENTION_PROGRAMS) == {"flash", "gqa_expand", "math"}
+    assert set(ATTENTION_PROGRAMS) == {"flash", "gqa_expand", "math", "inductor"}
+
+
+def test_inductor_decodes_by_reductions_reading_each_kv_head_per_query_head_and_prefills_as_math():
+    # Decode (one query): Inductor's bmm decomposition fuses the repeat into two reductions; nothing repeated is
+    # written, each of the H / H_kv query heads of a group reads its KV head's rows.
+    q, kv, mask = _qkv(tq=1, tk=64)
+    b, h, _, d = q.shape
+    hkv, e = kv.shape[1], q.element_size()
+    charges = attention_charges(q, kv, kv, {"attn_mask": mask}, program="inductor")
+    assert [n for n, _, _ in charges] == ["attention_decode:qk", "attention_decode:softmax", "attention_decode:pv"]
+    scores = b * h * 64 * e
+    cache = kv.numel() * e * h // hkv
+    assert [c[2] for c in charges] == [q.numel() * e + cache + scores, 2 * scores + mask.numel() * mask.element_size(),
+                                       scores + cache + b * h * d * e]  # fmt: skip
+    assert sum(c[1] for c in charges) == 4 * b * h * 64 * d
+    expanded = attention_charges(q, kv, kv, {"attn_mask": mask}, program="gqa_expand")
+    assert sum(c[2] for c in charges) < sum(c[2] for c in expanded)  # the copy is neither written nor read
+    # A prefill (several queries) is the math program: the scores in HBM.
+    q, kv, mask = _qkv(tq=16, tk=64)
+    assert attention_charges(q, kv, kv, {"attn_mask": mask}, program="inductor") == attention_charges(
+        q, kv, kv, {"attn_mask": mask}, program="math"
+    )
+
+
+def test_a_collective_launched_outside_a_cuda_graph_pays_the_host_cost_once_on_the_compute_stream():
+    run = _record("llama", 2)
+    base = DeviceModel.from_config("h100-sxm", eff_flops=0.4, eff_hbm=0.9, kernel_overhead_us=2.0, contention=0.2)
+    launched = DeviceModel.from_config("h100-sxm", eff_flops=0.4, eff_hbm=0.9, kernel_overhead_us=2.0, contention=0.2,
+                                       collective_launch_us=50.0)  # fmt: skip
+    a, b = run.predict(base, "nvlink-h100"), run.predict(launched, "nvlink-h100")
+    issues = run.phases["prefill"].counts["all_reduce"]["calls"]
+    # The prefill is not a CUDA graph: every all-reduce adds 50 us (the standard model overlaps none of them).
+    assert b["prefill"]["time"] - a["prefill"]["time"] == pytest.approx(issues * 50e-6, rel=1e-9)
+    assert b["decode"]["time"] == a["decode"]["time"]  # the decode step is replayed from a graph
+    assert run.predict(launched, NO_COMM)["prefill"]["time"] == run.predict(base, NO_COMM)["prefill"]["time"]
+    with pytest.raises(ValueError, match=r"collective_launch_s=-1e-06 must be >= 0"):
+        DeviceModel.from_config("h100-sxm", eff_flops=0.4, eff_hbm=0.9, kernel_overhead_us=2.0, contention=0.2,
+                                collective_launch_us=-1.0)  # fmt: skip
 
 
 def test_decode_on_a_static_cache_reads_more_under_each_program():

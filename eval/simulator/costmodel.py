@@ -73,6 +73,7 @@ FITTED = {
     "link_alpha_us": (0.0, 5.0),
     "contention": (0.0, 1.0),
     "contention_bw": (0.0, 1.0),
+    "collective_launch_us": (0.0, 100.0),
 }
 MAX_FITTED = 6
 
@@ -101,7 +102,8 @@ def fitted_names(cfg: dict) -> list[str]:
 def device_model(cfg: dict, c: dict) -> DeviceModel:
     return DeviceModel.from_config(
         cfg["device"], eff_flops=c["eff_flops"], eff_hbm=c["eff_hbm"], kernel_overhead_us=c["kernel_overhead_us"],
-        contention=c["contention"], contention_bw=c["contention_bw"],
+        contention=c["contention"], contention_bw=c["contention_bw"], wave_quantisation=cfg["wave_quantisation"],
+        collective_launch_us=c["collective_launch_us"],
     )
 
 
@@ -142,7 +144,7 @@ def record_cells(cfg: dict) -> dict[tuple, object]:
                     if pub["tp"] == tp:
                         out[(column, pub["batch"], tp)] = record_generation(
                             model, pub["batch"], cfg["prompt_len"], cfg["new_tokens"],
-                            static_cache=cfg["static_cache"], gqa_expand=cfg["gqa_expand"],
+                            static_cache=cfg["static_cache"], attention_program=cfg["attention_program"],
                             prefill_logits=cfg.get("prefill_logits", 1),
                         )
             finally:

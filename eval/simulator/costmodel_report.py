@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from eval import report
+from eval.simulator.device import ATTENTION_PROGRAMS
 
 # The published table's columns as the costmodel names them (each a zoo architecture by conf/costmodel.yaml's
 # `columns`; the upper bound is the standard column with free communication).
@@ -85,6 +86,7 @@ CONSTANT_NOTES = {
     "link_alpha_us": "NVLink: latency per ring hop (an all-reduce at TP P has 2 (P-1) hops)",
     "contention": "fraction of the overlapped communication time still paid, latency-bound collectives (decode)",
     "contention_bw": "the same, bandwidth-bound collectives (prefill's 17-270 MB all-reduces)",
+    "collective_launch_us": "compute-stream time per collective launched outside a CUDA graph (the prefill's)",
 }
 
 
@@ -115,12 +117,13 @@ def markdown(result: dict, image: Path) -> str:
         "model (`parallel.link`), with no copy of any schedule (`eval.simulator.replay`). Generation as the reference "
         f"benchmark: prompt {result['config']['prompt_len']}, {result['config']['new_tokens']} new tokens, a static KV "
         "cache of prompt + new tokens read in full at every step"
-        + (", K and V repeated to every query head before attention (`gqa_expand`: the reference's "
-           "repeat_interleave; the zoo's own attention reads each KV head once)" if result["config"].get("gqa_expand") else "")
+        + f"; attention charged as `{result['config']['attention_program']}` "
+        f"({ATTENTION_PROGRAMS[result['config']['attention_program']]})"
         + "; tokens/s = batch x new tokens / (prefill + (new tokens - 1) decode steps).",
         "",
         "The prefill as the reference runs it: logits at every prompt position (gpt-fast's `model(x, input_pos)`), "
-        "elementwise ops fused (its prefill is compiled, `--compile_prefill`). Prefill latency = the replayed prefill "
+        "elementwise ops fused (its prefill is compiled, `--compile_prefill`, without CUDA graphs: each collective pays "
+        "`collective_launch_us`; the decode step is a CUDA graph and pays none). Prefill latency = the replayed prefill "
         "forward; published = the mean of the log's 10 timed runs (warm-ups excluded: eval/simulator/ladder_reference.json).",
         "",
         f"Device `{d['device']['name']}` ({d['device']['note']}). Constants ({how}; {len(names)} fitted: the fit "

@@ -106,6 +106,12 @@ class DeviceModel:
     # Wave quantisation of matmuls (off: the committed fit has none): a matmul's 128 x 128 output tiles run in
     # waves of one tile per SM, so its FLOP time is divided by tiles / (waves x SMs) (`wave_efficiency`).
     wave_quantisation: bool = False
+    # Host-side cost of one collective launched outside a CUDA graph (a prefill or a training step; a decode step
+    # captured in a graph replays its collectives without it), added to the link's fixed latency by the replay
+    # (`eval.simulator.replay.Phase.replay(graphed=False)`): c10d's issue path (the NCCL stream made to wait on the
+    # compute stream, a Work and its events, the kernel launch) and the ranks' skew in reaching the collective,
+    # which the slowest rank's launch sets. 0: none.
+    collective_launch_s: float = 0.0
 
     def __post_init__(self):
         for name in ("eff_flops", "eff_hbm"):
@@ -114,6 +120,8 @@ class DeviceModel:
                 raise ValueError(f"{name}={value!r} must be in (0, 1].")
         if self.kernel_overhead_s < 0:
             raise ValueError(f"kernel_overhead_s={self.kernel_overhead_s!r} must be >= 0.")
+        if self.collective_launch_s < 0:
+            raise ValueError(f"collective_launch_s={self.collective_launch_s!r} must be >= 0.")
         if not 0 <= self.contention <= 1:
             raise ValueError(f"contention={self.contention!r} must be in [0, 1].")
         if self.contention_bw is not None and not 0 <= self.contention_bw <= 1:
@@ -132,7 +140,8 @@ class DeviceModel:
 
     @classmethod
     def from_config(
-        cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention, contention_bw=None
+        cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention, contention_bw=None,
+        wave_quantisation=False, collective_launch_us=0.0,
     ) -> "DeviceModel":
         """From the configs' units (conf/bench.yaml `device_model`, conf/costmodel.yaml): the per-kernel
         overhead in microseconds, a preset by name."""
@@ -143,6 +152,8 @@ class DeviceModel:
             kernel_overhead_s=float(kernel_overhead_us) * 1e-6,
             contention=float(contention),
             contention_bw=None if contention_bw is None else float(contention_bw),
+            wave_quantisation=bool(wave_quantisation),
+            collective_launch_s=float(collective_launch_us) * 1e-6,
         )
 
     def op_time(self, flops: float, nbytes: float, kernel: bool, tiles: int = 0) -> float:
@@ -345,6 +356,9 @@ ATTENTION_PROGRAMS = {
     "math": "the math decomposition over a repeated K / V under a mask (gpt-fast's static-cache program as "
             "written): two repeat_interleave copies, Q K^T writing the scores [B, H, Tq, Tk] to HBM, the mask "
             "and softmax over them, P V",
+    "inductor": "what torch.compile (Inductor) generates from the math program with coordinate-descent tuning on "
+                "(gpt-fast's setting): a prefill as `math`; a decode step (one query) as fused reductions, each "
+                "query head reading its KV head's rows from the cache, nothing repeated or written to HBM",
 }  # fmt: skip
 
 
@@ -366,7 +380,9 @@ def attention_charges(
     """`F.scaled_dot_product_attention(q, k, v, **kwargs)` as the kernels a GPU runs (module docstring), each
     (name, FLOPs, HBM bytes), under `program` (ATTENTION_PROGRAMS; None: `gqa_expand` or `flash`)."""
     program = attention_program_of(gqa_expand, program)
-    if program == "math":
+    if program == "inductor" and q.shape[-2] == 1:
+        return decode_reduction_charges(q, k, v, kwargs)
+    if program in ("math", "inductor"):
         return math_attention_charges(q, k, v, kwargs, fuse_pointwise)
     b, h, tq, d = q.shape
     tk = k.shape[-2]
@@ -425,6 +441,29 @@ def math_attention_charges(q, k, v, kwargs: dict, fuse_pointwise: bool = True) -
     out.append(("attention_math:softmax", 0, 2 * scores + mask_bytes))
     out.append(("attention_math:pv", 2 * b * h * tq * tk * dv, scores + v_bytes + b * h * tq * dv * e))
     return out
+
+
+def decode_reduction_charges(q, k, v, kwargs: dict) -> list[tuple[str, float, float]]:
+    """One query per sequence (a decode step) under Inductor with `coordinate_descent_tuning` (ATTENTION_PROGRAMS
+    ["inductor"]). Inductor's decomposition of `bmm` (torch/_inductor/decomposition.py) turns a batched matmul
+    with one row (Q K^T and P V at Tq = 1) into an elementwise product and a sum, which it fuses with what feeds
+    it: the `repeat_interleave` of K and V becomes an index into the cache, the mask and softmax join the
+    reductions. So no repeated copy reaches HBM; each query head's reduction reads its own KV head's rows, so
+    every KV head is read H / H_kv times (no reuse through L2 assumed: one layer's cache outgrows the L2 from batch
+    8 at 8B, TP 1). Three kernels, as Inductor cannot fuse reductions over different dimensions: Q K^T (a sum over
+    d, writing the scores [B, H, 1, Tk], small beside the cache), the masked softmax over Tk, and P V (a sum over
+    Tk, writing the output); 2 B H Tk d FLOPs in each product."""
+    b, h, _, d = q.shape
+    hkv, tk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    e = q.element_size()
+    scores = b * h * tk * e
+    mask = kwargs.get("attn_mask")
+    mask_bytes = tensor_bytes(mask) if isinstance(mask, torch.Tensor) else 0
+    return [
+        ("attention_decode:qk", 2 * b * h * tk * d, tensor_bytes(q) + tensor_bytes(k) * h // hkv + scores),
+        ("attention_decode:softmax", 0, 2 * scores + mask_bytes),
+        ("attention_decode:pv", 2 * b * h * tk * dv, scores + tensor_bytes(v) * h // hkv + b * h * dv * e),
+    ]
 
 
 def sdpa_keywords(args: tuple, kwargs: dict) -> tuple:
