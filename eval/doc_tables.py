@@ -163,6 +163,7 @@ def costmodel(rel: str) -> list[str]:
         f"| contention of overlapped communication (latency-bound / bandwidth-bound) | {c['contention']:.2f} / "
         f"{c['contention_bw']:.2f} |",
         f"| NVLink latency | {c['link_base_us']:.1f} us + {c['link_alpha_us']:.1f} us per hop |",
+        f"| per collective launched outside a CUDA graph (held: read off the record) | {c['collective_launch_us']:.1f} us |",
         f"| tokens/s cells: worst error, mean abs log-ratio | {report['worst_tok_s_error']:.1%}, {errors['all_tok_s']:.3f} |",
         f"| prefill cells: mean abs log-ratio | {errors['all_prefill']:.3f} |",
         f"| Ladder speed-ups: worst error | {report['worst_ladder_speedup_error']:.1%} |",

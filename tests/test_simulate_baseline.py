@@ -26,8 +26,8 @@ from tests.test_simulate import SHAPE
 FLOPS_ONLY = DeviceModel(DevicePreset("flops-only", 1e12, 1e30), eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
 # The committed constants (conf/bench.yaml device_model, eval.costmodel's fit) on an H100.
 H100 = DeviceModel.from_config(
-    "h100-sxm", eff_flops=0.409, eff_hbm=0.942, kernel_overhead_us=2.33, contention=0.245, contention_bw=0.695,
-    collective_launch_us=29.9,
+    "h100-sxm", eff_flops=0.413, eff_hbm=0.946, kernel_overhead_us=2.35, contention=0.245, contention_bw=0.691,
+    collective_launch_us=41.5,
 )
 BATCH, PROMPT, NEW = 2, 32, 16
 

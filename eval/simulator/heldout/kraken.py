@@ -215,6 +215,9 @@ def validate(quick: bool = False) -> dict:
     add("kernel_overhead_x2", "per-kernel overhead (a GPT engine's unfused LayerNorm / GELU / bias kernels)",
         f"{constants['kernel_overhead_us']} us x2",
         with_constants(kernel_overhead_us=2 * float(constants["kernel_overhead_us"])))  # fmt: skip
+    add("no_host_launch", "no host cost per collective (collective_launch_us, fitted on gpt-fast's PyTorch prefill; "
+        "TensorRT-LLM launches its all-reduce from C++)", f"{constants.get('collective_launch_us', 0)} us -> 0",
+        with_constants(collective_launch_us=0.0))  # fmt: skip
     add("no_comm", "communication free (the compute alone: Kraken's rank attends d' wide, a Megatron rank h / k)",
         "no-comm", times(device, lambda tp: NO_COMM))  # fmt: skip
 

@@ -154,11 +154,14 @@ def validate(quick: bool = False) -> dict:
     if misses:
         lacks = (f"{len(misses)} of {sum(r['ratio'] is not None for r in rows)} cells are off by more than 15%, by regime: "
                  + "; ".join(f"{s['regime']}: {s['cells'] - s['within 15%']} of {s['cells']} (worst {s['worst ratio']:.2f})" for s in summary)
-                 + ". The batch-1 prefill at TP 4-8 is predicted too fast even without communication (the upper "
-                 "bound's cells): its matmuls are small (M = 1024 rows; N and K cut by TP), and the device model "
-                 "charges every matmul the one FLOP efficiency fitted on the 70B shape's larger ones; wave "
-                 "quantisation over 128 x 128 tiles (DeviceModel.wave_quantisation), fitted with the rest, takes the "
-                 "70B record's own upper bound at batch 1, TP 8 out of its target (16%), so it stays off.")  # fmt: skip
+                 + ". The 8B shape's prefills are predicted too fast wherever the matmuls set their time: at batch "
+                 "32-64 on TP 1-2 and in the upper bound (no communication) at batch 1 on TP 4-8, by 15-19% alike. The "
+                 "device model charges every matmul one FLOP efficiency, fitted on the 70B shape's (K = 8192 and N up "
+                 "to 28672 / TP), and the 8B shape's are smaller (K = 4096); wave quantisation over 128 x 128 tiles "
+                 "(DeviceModel.wave_quantisation), fitted with the rest, takes the 70B record's own upper bound at "
+                 "batch 1, TP 8 out of its target (16%), so it stays off. What is missing is the matmul efficiency by "
+                 "shape. Batch 4-8 at TP 2-4 is predicted 15-19% too fast in tokens/s, where the prefill is a small "
+                 "part and a decode step takes a few milliseconds: nothing in the sensitivity runs separates it.")
     return {
         "paper": "Ladder reference benchmark (mayank31398/ladder-residual-inference): the cells the fit did not use",
         "source": f"{RECORD['source']} at commit {RECORD['commit']}, {RECORD['folder']}<column>/bs_<B>_tp_<P>.log "
