@@ -146,6 +146,11 @@ def validation(rel: str) -> list[str]:
             f"| {row['paper'].split(' (')[0]} (held out) | {_x(row['published'])} | {_x(row['predicted'])} "
             f"| {row['ratio']:.2f} | {'yes' if row['within'] else '**no**'} |"
         )
+    for row in report["heldout"]:
+        if row.get("regimes"):
+            lines += ["", f"{row['paper'].split(' (')[0]}, by regime (every cell held out, tokens/s and prefill ms):", "",
+                      "| regime | cells | within 15% | worst predicted / logged |", "|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {g['regime']} | {g['cells']} | {g['within 15%']} | {g['worst ratio']:.2f} |" for g in row["regimes"]]
     lines += ["", f"From [reports/simulator-validation]({rel}reports/simulator-validation/README.md), which names each "
               "headline, its setting and what the model lacks where it misses."]
     return lines

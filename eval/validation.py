@@ -216,6 +216,9 @@ def markdown(result: dict, image: Path) -> str:
             ),
             "",
         ]
+        if r.get("regimes"):
+            lines += ["By regime (cells within 15% of the logged value):", "",
+                      report.write_markdown_table(r["regimes"], ["regime", "cells", "within 15%", "worst ratio"]), ""]  # fmt: skip
         if r["sensitivity"]:
             keys = list(dict.fromkeys(k for s in r["sensitivity"] for k in s))
             lines += ["Sensitivity (evidence, not a fit):", "", report.write_markdown_table(r["sensitivity"], keys), ""]

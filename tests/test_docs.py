@@ -113,7 +113,9 @@ def test_a_stale_table_is_found(tmp_path, monkeypatch):
     # The check can fail: a page whose table holds a hand-edited number is reported stale.
     page = tmp_path / "README.md"
     fresh = doc_tables.render("<!-- table:costmodel -->\n<!-- end table:costmodel -->\n", "")
-    page.write_text(fresh.replace("0.385", "0.400"))
+    eff = f"{doc_tables._load(doc_tables.COSTMODEL)['constants']['eff_flops']:.3f}"
+    assert eff in fresh
+    page.write_text(fresh.replace(eff, f"{float(eff) + 0.011:.3f}"))
     monkeypatch.setattr(doc_tables, "ROOT", tmp_path)
     monkeypatch.setattr(doc_tables, "PAGES", ["README.md"])
     monkeypatch.setattr(doc_tables, "_load", lambda path: __import__("json").loads((ROOT / path).read_text()))

@@ -111,3 +111,18 @@ def test_full_report_computes_every_held_out_row(tmp_path):
         assert row["published"] > 1 and row["predicted"] > 0
         assert row["ratio"] == pytest.approx(row["predicted"] / row["published"]) and row["within"] in (True, False)
         assert row["within"] or row["lacks"], f"{row['key']} misses its target without naming what the model lacks"
+
+
+def test_the_ladder_record_holds_out_every_cell_the_fit_uses_and_counts_regimes_apart():
+    from eval.simulator.costmodel import REFERENCE
+    from eval.simulator.heldout import ladder_record
+
+    fitted = {("70b", c["batch"], c["tp"]) for c in REFERENCE["cells"]}
+    held = {(c["model"], c["batch"], c["tp"]) for c in ladder_record.RECORD["cells"]}
+    assert held and not held & fitted
+    assert {m for m, _, _ in held} == {"8b", "70b"}
+    assert ladder_record.regime("8b", 64, 1, "tokens/s") == "decode at batch 32-64"
+    assert ladder_record.regime("8b", 1, 8, "prefill ms") == "batch-1 prefill at TP 4-8"
+    assert ladder_record.regime("8b", 1, 2, "prefill ms") == ladder_record.regime("8b", 16, 8, "tokens/s") == "other"
+    rows = [{"what": "other", "ratio": 1.2}, {"what": "other", "ratio": 0.95}, {"what": "other", "ratio": None}]
+    assert ladder_record.regime_summary(rows) == [{"regime": "other", "cells": 2, "within 15%": 1, "worst ratio": 1.2}]

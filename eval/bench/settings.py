@@ -97,6 +97,7 @@ class ComputeSettings:
             "kernel_overhead_us": dm.kernel_overhead_s * 1e6,
             "contention": dm.contention,
             "contention_bw": dm.contention if dm.contention_bw is None else dm.contention_bw,
+            "collective_launch_us": dm.collective_launch_s * 1e6,
             "dtype": str(SIMULATED_DTYPE).removeprefix("torch."),
             "static_cache": self.static_cache,
             "attention_program": self.attention_program,

@@ -173,6 +173,7 @@ def validate(quick: bool = False) -> dict:
         "published": published,
         "predicted": predicted,
         "cells": [{k: v for k, v in r.items() if k != "ratio"} for r in rows],
+        "regimes": summary,
         "sensitivity": sensitivity,
         "lacks": lacks,
         "notes": [f"{s['regime']}: {s['within 15%']} of {s['cells']} cells within 15%, worst ratio {s['worst ratio']:.3f}"
