@@ -1,6 +1,7 @@
 """Tensor-parallel training through the pretraining app (Lightning + ZooParallelStrategy, 2 gloo
-processes): the loss curve of TP 2 matches TP 1 from the same seed, the checkpoint holds the unsharded
-weights, and the saved HF model equals the TP-1 one; then Llama -> Ladder conversion end to end."""
+processes): the loss curve of TP 2 matches TP 1 from the same seed (with parallel.overlap=token_split too), the
+checkpoint holds the unsharded weights, and the saved HF model equals the TP-1 one; then Llama -> Ladder conversion
+end to end."""
 
 import csv
 import json
@@ -40,6 +41,7 @@ def tp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     train(compose_pretrain(RUN, root / "tp1"))  # in this process: one interpreter start fewer
     run_pretrain(root / "tp2", "parallel=tp2")
+    run_pretrain(root / "tp2_split", "parallel=tp2", "parallel.overlap=token_split")
     return root / "tp1", root / "tp2"
 
 
@@ -48,6 +50,14 @@ def test_tp2_loss_curve_matches_tp1(tp_runs):
     a, b = losses(tp1), losses(tp2)
     assert len(a) == len(b) == STEPS
     # fp32; the only difference is the order of the sums inside the all-reduces
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=0)
+
+
+def test_tp2_with_token_split_trains_the_same_curve(tp_runs):
+    # parallel.overlap=token_split (parallel/overlap.py): the batch in two halves taking turns; the same steps.
+    tp1, tp2 = tp_runs
+    a, b = losses(tp1), losses(tp2.parent / "tp2_split")
+    assert len(a) == len(b) == STEPS
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=0)
 
 

@@ -39,6 +39,7 @@ from models.llama.configuration import check_fields
 from parallel.fsdp import apply_fsdp, is_fsdp
 from parallel.grad_sync import TOKEN_DIMS, mesh_degrees
 from parallel.mesh import DIM_ORDER
+from parallel.overlap import check_overlap
 from parallel.state import clip_grad_norm_ as sharded_clip_grad_norm_
 from parallel.state import grad_norm as sharded_grad_norm
 from train.activation_checkpointing import apply_activation_checkpointing, compile_layers
@@ -103,6 +104,9 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
     ) -> None:
         super().__init__()
         self.degrees = parallel_degrees(parallel)
+        # The system-level overlap schedule (parallel/overlap.py), refused here if the architecture does not take it.
+        self.overlap = (parallel or {}).get("overlap", "none")
+        check_overlap(models.get(model_name).model_class, self.overlap)
         if nonfinite_loss not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r}; use one of {NONFINITE_POLICIES}.")
         # The embedding must hold every id the tokenizer gives; a larger one (a padded vocabulary) is kept.
@@ -184,6 +188,7 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
                 raise ValueError(f"The strategy's mesh has degrees {mesh_degrees(mesh)} but parallel says {self.degrees}.")
             parallel.parallelize(self.model, mesh)
             self._sp_group = parallel.mesh_group(mesh, "sp") if self.degrees["sp"] > 1 else None
+        parallel.set_overlap(self.model, self.overlap)  # before compile: the schedule is part of what is traced
         # torchtitan's order: the layout, activation checkpointing, compile, FSDP (in place, no wrapper modules:
         # parameter names and ShardSpecs stay as they are; train/activation_checkpointing.py).
         apply_activation_checkpointing(self.model, self.hparams.activation_checkpointing)

@@ -11,11 +11,11 @@ def parallel_degrees(parallel: dict | None) -> dict[str, int]:
     """The degrees of a `parallel` config (conf/parallel): {"dp": .., "ep": .., "sp": .., "tp": ..}, each
     a positive integer (1 when not given); one clear error for a value or a key that is not one."""
     parallel = dict(parallel or {})
-    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s", *ENGINE_SETTINGS})
+    unknown = sorted(set(parallel) - {*DIM_ORDER, "timeout_s", "overlap", *ENGINE_SETTINGS})
     if unknown:
         raise ValueError(
-            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)}, timeout_s "
-            f"and {', '.join(ENGINE_SETTINGS)}."
+            f"Unknown parallel setting(s) {unknown}; conf/parallel has the degrees {list(DIM_ORDER)}, timeout_s, "
+            f"overlap and {', '.join(ENGINE_SETTINGS)}."
         )
     degrees = {dim: parallel.get(dim, 1) for dim in DIM_ORDER}
     for dim, degree in degrees.items():

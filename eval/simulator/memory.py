@@ -116,6 +116,7 @@ def predict_training_memory(
             # `module.to()` cannot swap fake parameters.
             model = _build(arch, config, torch.float32 if fsdp else param_dtype)
             parallel.parallelize(model, mesh)
+            parallel.set_overlap(model, layout.overlap)
             apply_activation_checkpointing(model, layout.ac)
             if fsdp:
                 policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -81,6 +81,7 @@ class TrainLayout:
     micro_batch: int = 1  # sequences per rank per micro-batch
     seq_len: int = 2048  # tokens per sequence (each sp rank holds seq_len / sp of them)
     grad_accum: int = 1
+    overlap: str = "none"  # the system-level overlap schedule (parallel/overlap.py)
 
     def __post_init__(self):
         for name in ("dp", "tp", "ep", "sp", "micro_batch", "seq_len", "grad_accum"):
@@ -119,7 +120,8 @@ class TrainLayout:
     def label(self) -> str:
         parts = [f"{k}{v}" for k, v in self.degrees.items() if v > 1] or ["1 GPU"]
         engine = "fsdp" if self.fsdp and self.fsdp_size > 1 else "replicated"
-        return f"{' x '.join(parts)} {engine} ac={self.ac} mb={self.micro_batch}x{self.seq_len} ga={self.grad_accum}"
+        overlap = "" if self.overlap == "none" else f" overlap={self.overlap}"
+        return f"{' x '.join(parts)} {engine} ac={self.ac} mb={self.micro_batch}x{self.seq_len} ga={self.grad_accum}{overlap}"
 
 
 @dataclass
@@ -273,6 +275,7 @@ def build_training_meta(
     with torch.device(device):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
+    parallel.set_overlap(model, layout.overlap)
     model.to(dtype)
     model.train()
     apply_activation_checkpointing(model, layout.ac)

@@ -9,6 +9,7 @@ names are Hugging Face Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_laye
 (ScMoE's MoE block).
 """
 
+import torch
 from torch import nn
 
 from models.common.attention import Attention
@@ -45,6 +46,7 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None  # set by parallel.parallelize; None = single device
+        self.overlap = "none"  # set by parallel.set_overlap: "token_split" runs `token_split_forward`
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """The layer's feed-forward, `mlp`: Llama's SwiGLU."""
@@ -61,8 +63,40 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        if self.overlap == "token_split":
+            return self.token_split_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         mlp_out = self.mlp_block(hidden_states)
         return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait()
+
+    def token_split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        """The same block over the batch split in two halves that take turns (parallel/overlap.py): each half's
+        all-reduce is issued as soon as its sub-block is done and waited only after the other half's next
+        sub-block, so three of the layer's four all-reduces run behind compute; the last one is waited at the
+        end of the layer. Every token sees the same computation as in `forward`."""
+        batch = hidden_states.shape[0]
+        if cache is not None:
+            raise ValueError(
+                "overlap=token_split splits the batch of a forward without a KV cache (training, a cache-free "
+                "forward); a cached forward (generation) runs with overlap=none."
+            )
+        if batch < 2:
+            raise ValueError(f"overlap=token_split needs a batch of at least 2 sequences to split; this one has {batch}.")
+        halves = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
+
+        def half(x, i):  # a tensor with a batch dimension is split; one broadcast over the batch is shared
+            return x[halves[i]] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+
+        x = [hidden_states[h] for h in halves]
+        pos = [tuple(half(t, i) for t in position_embeddings) for i in (0, 1)]
+        mask = [half(attention_mask, i) for i in (0, 1)]
+        attn = [comm.all_reduce(self.attention_block(x[0], pos[0], mask[0], None), self.tp_group)]
+        attn.append(comm.all_reduce(self.attention_block(x[1], pos[1], mask[1], None), self.tp_group))
+        x[0] = x[0] + attn[0].wait()  # half 0's all-reduce ran behind half 1's attention
+        mlp = [comm.all_reduce(self.mlp_block(x[0]), self.tp_group)]
+        x[1] = x[1] + attn[1].wait()  # half 1's behind half 0's MLP
+        mlp.append(comm.all_reduce(self.mlp_block(x[1]), self.tp_group))
+        x[0] = x[0] + mlp[0].wait()  # half 0's behind half 1's MLP
+        return torch.cat([x[0], x[1] + mlp[1].wait()])

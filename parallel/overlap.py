@@ -1,0 +1,43 @@
+"""System-level overlap: schedules that change WHERE a layer waits its collectives, not what it computes.
+
+A schedule is a setting of the run (`parallel.overlap` in conf/parallel; `set_overlap(model, schedule)`), applied to
+the unchanged model after its shard layout:
+
+- `none`: each collective is waited where the architecture's own `forward()` waits it.
+- `token_split`: the batch split in two halves that take turns, so that one half's tensor-parallel all-reduce is in
+  flight while the other half computes (TokenWeave's and Domino's batch split; the zoo's standard block,
+  `models.common.PreNormDecoderLayer.token_split_forward`, where the waits are written). It needs a batch of two
+  sequences or more and a forward without a KV cache (a training step, a cache-free forward).
+
+An architecture takes a schedule by listing it in its model class's `overlap_schedules`; any other is refused with
+the reason, before anything runs. Each schedule computes the same function as `none`: tests/test_overlap.py checks
+logits, loss and gradients against the unsplit model (fp64) and under TP 2 against the unsharded one.
+"""
+
+from torch import nn
+
+SCHEDULES = ("none", "token_split")
+
+
+def check_overlap(model_class: type, schedule: str) -> None:
+    """One clear error for a schedule that is unknown or that `model_class` does not take."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"overlap={schedule!r} is not a schedule; choose one of {list(SCHEDULES)}.")
+    takes = ("none", *getattr(model_class, "overlap_schedules", ()))
+    if schedule not in takes:
+        raise ValueError(
+            f"{model_class.__name__} does not take overlap={schedule!r}: it takes {list(takes)} (its layers wait their "
+            "collectives in a schedule of their own, or split batches would change what they compute). An "
+            "architecture takes a schedule by listing it in its model class's `overlap_schedules`."
+        )
+
+
+def set_overlap(model: nn.Module, schedule: str) -> nn.Module:
+    """Run every layer of `model` that has an `overlap` setting under `schedule` (in place); returns `model`."""
+    check_overlap(type(model), schedule)
+    layers = [m for m in model.modules() if hasattr(m, "overlap")]
+    if schedule != "none" and not layers:
+        raise ValueError(f"{type(model).__name__} lists overlap={schedule!r} but has no layer with an `overlap` setting.")
+    for layer in layers:
+        layer.overlap = schedule
+    return model
