@@ -1,7 +1,8 @@
 """System-level overlap schedules (parallel/overlap.py) compute what the unsplit model computes: token_split gives
-the same logits, loss and gradients in one process (fp64, 1e-10) and under TP 2 the same as the unsharded model
-(gloo, fp32, 1e-5); its waits sit where the schedule says (the simulated link's record); architectures that do not
-take it, a cached forward and a batch of one are refused with the reason."""
+the same logits, loss and gradients in one process (fp64, 1e-10), the same prefill and cached decode on static and
+growing caches, and under TP 2 the same as the unsharded model (gloo, fp32, 1e-5); its waits sit where the schedule
+says (the simulated link's record); architectures that do not take it and a batch of one are refused with the
+reason."""
 
 import pytest
 import torch
@@ -42,6 +43,26 @@ def test_token_split_is_the_unsplit_model_in_fp64(batch):
     assert all(layer.overlap == "none" for layer in split.model.layers)
 
 
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("batch", [2, 3])
+def test_token_split_prefill_and_cached_decode_are_the_full_forward(batch, static):
+    # Each half writes and reads its own rows of the cache (models.common.cache.BatchSplit); the fill counter of a
+    # static cache advances once per forward.
+    ids = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(3))
+    plain, split = _llama(), _llama()
+    parallel.set_overlap(split, "token_split")
+    with torch.no_grad():
+        full = plain(ids, use_cache=False).logits
+        cache = split.model.make_cache(batch_size=batch, max_cache_len=16, static=static)
+        step = split(ids[:, :6], cache=cache, use_cache=True)
+        pieces = [step.logits]
+        for t in range(6, ids.shape[1]):
+            step = split(ids[:, t : t + 1], cache=step.cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-10)
+    assert int(step.cache.get_seq_length()) == ids.shape[1]
+
+
 def _tp2_token_split(rank, world_size):
     mesh = parallel.init_mesh(tp=world_size)
     ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
@@ -63,6 +84,14 @@ def _tp2_token_split(rank, world_size):
     # Forward: four all-reduces per layer (two sub-blocks x two halves); backward: the column-parallel inputs'
     # gradients, two per half per layer.
     assert issued == 8 * sharded.config.num_hidden_layers
+    with torch.no_grad():  # prefill + cached decode on the static cache, split, against the unsharded full forward
+        full = reference(ids, use_cache=False).logits
+        step = sharded(ids[:, :7], cache=sharded.model.make_cache(4, 16, static=True), use_cache=True)
+        pieces = [step.logits]
+        for t in range(7, ids.shape[1]):
+            step = sharded(ids[:, t : t + 1], cache=step.cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
 
 def test_token_split_under_tp2_is_the_unsharded_model():
@@ -97,8 +126,6 @@ def test_refusals_name_the_reason():
     ids = torch.randint(0, 256, (1, 6))
     with pytest.raises(ValueError, match=r"needs a batch of at least 2 sequences to split; this one has 1"):
         model(ids, use_cache=False)
-    with pytest.raises(ValueError, match=r"a cached forward \(generation\) runs with overlap=none"):
-        model(torch.randint(0, 256, (2, 6)), use_cache=True)
 
 
 def test_the_trainer_refuses_a_schedule_before_building_anything():
@@ -106,3 +133,35 @@ def test_the_trainer_refuses_a_schedule_before_building_anything():
 
     with pytest.raises(ValueError, match=r"ZooMoeForCausalLM does not take overlap='token_split'"):
         CausalLMModule("moe", {}, 256, {"lr": 1e-3}, parallel={"overlap": "token_split"})
+
+
+def _compiled_ranks(rank, world_size):
+    import torch._dynamo as dynamo
+
+    from tests.test_compile import (
+        compile_steps,
+        compiled_training_step_equals_eager,
+        decode_step,
+        generation,
+        prefill,
+        sharded_tiny,
+    )
+
+    mesh = parallel.init_mesh(tp=world_size)
+    model = parallel.set_overlap(sharded_tiny("llama", mesh, "tp", world_size), "token_split")
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    tokens, logits, counts = generation(model, ids, prefill, decode_step)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    prefill_fn, step_fn, graphs = compile_steps(backend="aot_eager")
+    c_tokens, c_logits, _ = generation(model, ids, prefill_fn, step_fn)
+    assert torch.equal(c_tokens, tokens)
+    torch.testing.assert_close(c_logits, logits, rtol=0, atol=1e-5)
+    # One graph for every decode step (the static cache's rows written in place), no break.
+    assert len(graphs["decode"].graphs) == 1 and not dynamo.utils.counters["graph_break"]
+    assert counts["all_reduce"]["calls"] == 8 * 4 * model.config.num_hidden_layers  # 8 steps, two halves x two sub-blocks
+    compiled_training_step_equals_eager(model.train(), torch.cat([ids, ids.flip(0)]), "aot_eager", "token_split")
+
+
+def test_token_split_compiles_fullgraph_for_decode_and_training_at_tp2():
+    run_ranks(_compiled_ranks, 2)

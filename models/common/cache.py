@@ -25,7 +25,7 @@ benchmark reuses one cache across generations, as gpt-fast does, and a CUDA grap
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 
 def _mark_static(*tensors: torch.Tensor) -> None:
@@ -171,3 +171,60 @@ def make_static_causal_mask(
         padding = torch.nn.functional.pad(attention_mask.bool(), (0, max_cache_len - attention_mask.shape[1]))
         mask = (mask & padding[:, None, None, :]) | (k_pos == q_pos)[None, None]
     return mask
+
+
+class BatchSplit:
+    """A cache seen as two halves of its batch, for a layer that runs each half's attention on its own (the
+    `token_split` overlap schedule, models.common.decoder): `half(i)` is a cache whose `update(k, v, layer_idx)`
+    writes that half's keys and values into its rows of the whole cache and returns those rows.
+
+    Static layers (fixed buffers): both halves write at the same positions, and the fill counter advances once,
+    after the second half. Growing layers (`DynamicLayer`): each half's rows grow by its tokens and the layer holds
+    both once the second half has written. The buffers are allocated for the whole batch on the first write."""
+
+    def __init__(self, cache: Cache, halves: tuple[slice, slice], batch: int):
+        self.cache, self.halves, self.batch = cache, halves, batch
+        self._grown = {}  # layer_idx -> the first half's grown keys and values (growing layers)
+
+    def half(self, i: int) -> "_CacheHalf":
+        return _CacheHalf(self, i)
+
+    def update(self, i: int, key_states, value_states, layer_idx: int):
+        cache = self.cache
+        while len(cache.layers) <= layer_idx and cache.layer_class_to_replicate is not None:
+            cache.layers.append(cache.layer_class_to_replicate())
+        layer, rows, last = cache.layers[layer_idx], self.halves[i], i == len(self.halves) - 1
+        if isinstance(layer, StaticLayer):
+            if not layer.is_initialized:
+                full = (self.batch, *key_states.shape[1:])
+                layer.lazy_initialization(key_states.new_empty(full), value_states.new_empty((self.batch, *value_states.shape[1:])))
+            positions = torch.arange(key_states.shape[-2], device=layer.device) + layer.cumulative_length
+            keys, values = layer.keys[rows], layer.values[rows]  # views: written in place into the buffers
+            keys.index_copy_(2, positions, key_states)
+            values.index_copy_(2, positions, value_states)
+            if last:
+                layer.cumulative_length.add_(key_states.shape[-2])
+            return keys, values
+        if isinstance(layer, DynamicLayer):
+            if not layer.is_initialized:
+                layer.lazy_initialization(key_states, value_states)
+            old = layer.keys.numel() > 0
+            keys = torch.cat([layer.keys[rows], key_states], dim=-2) if old else key_states
+            values = torch.cat([layer.values[rows], value_states], dim=-2) if old else value_states
+            if last:
+                first_keys, first_values = self._grown.pop(layer_idx)
+                layer.keys, layer.values = torch.cat([first_keys, keys]), torch.cat([first_values, values])
+            else:
+                self._grown[layer_idx] = (keys, values)
+            return keys, values
+        raise TypeError(f"A batch split cannot write into a {type(layer).__name__} (static or growing K/V layers only).")
+
+
+class _CacheHalf:
+    """One half of a `BatchSplit`: what the attention of that half sees as its cache."""
+
+    def __init__(self, split: BatchSplit, i: int):
+        self.split, self.i = split, i
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.split.update(self.i, key_states, value_states, layer_idx)

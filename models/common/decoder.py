@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models.common.attention import Attention
+from models.common.cache import BatchSplit
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
 from parallel import comm
@@ -75,16 +76,14 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         """The same block over the batch split in two halves that take turns (parallel/overlap.py): each half's
         all-reduce is issued as soon as its sub-block is done and waited only after the other half's next
         sub-block, so three of the layer's four all-reduces run behind compute; the last one is waited at the
-        end of the layer. Every token sees the same computation as in `forward`."""
+        end of the layer. Every token sees the same computation as in `forward`; with a KV cache each half
+        writes and reads its own rows of it (models.common.cache.BatchSplit)."""
         batch = hidden_states.shape[0]
-        if cache is not None:
-            raise ValueError(
-                "overlap=token_split splits the batch of a forward without a KV cache (training, a cache-free "
-                "forward); a cached forward (generation) runs with overlap=none."
-            )
         if batch < 2:
             raise ValueError(f"overlap=token_split needs a batch of at least 2 sequences to split; this one has {batch}.")
         halves = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
+        split = None if cache is None else BatchSplit(cache, halves, batch)  # one per forward: its halves share it
+        caches = (None, None) if split is None else (split.half(0), split.half(1))
 
         def half(x, i):  # a tensor with a batch dimension is split; one broadcast over the batch is shared
             return x[halves[i]] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
@@ -92,8 +91,8 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         x = [hidden_states[h] for h in halves]
         pos = [tuple(half(t, i) for t in position_embeddings) for i in (0, 1)]
         mask = [half(attention_mask, i) for i in (0, 1)]
-        attn = [comm.all_reduce(self.attention_block(x[0], pos[0], mask[0], None), self.tp_group)]
-        attn.append(comm.all_reduce(self.attention_block(x[1], pos[1], mask[1], None), self.tp_group))
+        attn = [comm.all_reduce(self.attention_block(x[0], pos[0], mask[0], caches[0]), self.tp_group)]
+        attn.append(comm.all_reduce(self.attention_block(x[1], pos[1], mask[1], caches[1]), self.tp_group))
         x[0] = x[0] + attn[0].wait()  # half 0's all-reduce ran behind half 1's attention
         mlp = [comm.all_reduce(self.mlp_block(x[0]), self.tp_group)]
         x[1] = x[1] + attn[1].wait()  # half 1's behind half 0's MLP
