@@ -280,6 +280,26 @@ def ladder_quality(rel: str) -> list[str]:
     return lines
 
 
+# The architectures set beside the standard model under a system-level overlap schedule (at-scale runs, batch 16).
+AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "kraken"]
+
+
+def system_overlap(rel: str) -> list[str]:
+    """Each dense architecture's predicted speed-up over the standard model beside the standard model's own under
+    token_split, at the 8B and 70B shapes (batch 16, TP 8, NVLink: the at-scale report's rows)."""
+    rows = {(r["run"], r["arch"], r["batch"]): r for r in _load(AT_SCALE)["rows"]}
+    lines = ["| shape | against `llama` | tokens/s | prefill | decode |", "|---|---|---|---|---|"]
+    for run, shape in (("dense_8b", "8B"), ("dense_70b", "70B")):
+        for arch in AGAINST_OVERLAP:
+            r = rows.get((run, arch, 16))
+            if r is not None:
+                lines.append(f"| {shape} | `{arch}` | {_x(r['speedup_total'])} | {_x(r['speedup_prefill'])} | "
+                             f"{_x(r['speedup_decode'])} |")  # fmt: skip
+    lines += ["", f"Batch 16, TP 8 on NVLink, predicted: [reports/at-scale]({rel}reports/at-scale/README.md) "
+              "(`python -m eval.at_scale`)."]
+    return lines
+
+
 TABLES: dict[str, Callable[[str], list[str]]] = {
     "glance": glance,
     "validation": validation,
@@ -289,6 +309,7 @@ TABLES: dict[str, Callable[[str], list[str]]] = {
     "conversions": conversions,
     "ladder-speed": ladder_speed,
     "ladder-quality": ladder_quality,
+    "system-overlap": system_overlap,
 }
 
 

@@ -27,6 +27,7 @@ from models.registry import (
     get_converter,
     register,
     register_converter,
+    schedule_of,
     standard_sibling,
     variants,
 )
@@ -186,6 +187,7 @@ __all__ = [
     "register",
     "register_converter",
     "save_checkpoint",
+    "schedule_of",
     "to_stock",
     "standard_sibling",
     "variants",

@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from parallel.overlap import check_overlap
+
 
 class Collectives(NamedTuple):
     """One kind of collective in one forward: how many calls, and the values they carry per token, summed
@@ -177,10 +179,26 @@ def variant(entry: ZooEntry) -> ZooEntry:
     )
 
 
+# `<name>+<schedule>`: an architecture run under a system-level overlap schedule (parallel/overlap.py), as the
+# benches and the simulator name one (`archs=[llama,llama+token_split]`); the entry is the architecture's own.
+SCHEDULE_SEP = "+"
+
+
+def schedule_of(name: str) -> str:
+    """The overlap schedule a name asks for ("llama+token_split" -> "token_split"; "llama" -> "none")."""
+    return name.split(SCHEDULE_SEP, 1)[1] if SCHEDULE_SEP in name else "none"
+
+
 def get(name: str) -> ZooEntry:
-    """The registry entry of architecture `name`, or of its ladder variant (`<name>_ladder`)."""
+    """The registry entry of architecture `name`, of its ladder variant (`<name>_ladder`), or of either run under an
+    overlap schedule (`<name>+<schedule>`, refused where the architecture does not take it)."""
     if name in ZOO:
         return ZOO[name]
+    if SCHEDULE_SEP in name:
+        base, schedule = name.split(SCHEDULE_SEP, 1)
+        entry = get(base)
+        check_overlap(entry.model_class, schedule)
+        return entry
     base = name.removesuffix(LADDER_SUFFIX)
     if name.endswith(LADDER_SUFFIX) and base in ZOO and "ladder" in ZOO[base].residuals:
         return variant(ZOO[base])

@@ -49,6 +49,7 @@ def sharded_model(arch: str, config, mesh, device: torch.device, dtype: torch.dt
     with torch.device("meta"):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
+    parallel.set_overlap(model, models.schedule_of(arch))  # `llama+token_split`: llama under that schedule
     model.to(dtype)
     model.to_empty(device=device)
     # Same seed on every rank: replicated weights (embedding, norms, LM head) agree across ranks,
@@ -92,7 +93,22 @@ def archs_at_points(gen: GenerationSettings, points: list[dict[str, int]]) -> tu
             raise ValueError(f"No architecture of archs={list(gen.archs)} fits the degrees {label}. " + " ".join(refused))
         archs_at[degrees_key(degrees)] = fit
         skipped += [f"{label}: {reason}" for reason in refused]
+    for arch in gen.archs:
+        unsplit = [b for b in gen.batch_sizes if not runs_at(arch, b)]
+        if unsplit:
+            skipped.append(f"{arch}: no row at batch {', '.join(map(str, unsplit))}: token_split needs a batch of 2 "
+                           "sequences or more to split (parallel/overlap.py)")  # fmt: skip
     return archs_at, skipped
+
+
+def runs_at(arch: str, batch: int) -> bool:
+    """Whether `arch` (maybe `<name>+<schedule>`) has a row at `batch`: token_split needs two sequences or more."""
+    return models.schedule_of(arch) != "token_split" or batch >= 2
+
+
+def at_batch(built: dict, batch: int) -> dict:
+    """The built models of `built` ({arch: model}) that run at `batch` (`runs_at`)."""
+    return {arch: model for arch, model in built.items() if runs_at(arch, batch)}
 
 
 def archs_at_all_points(gen: GenerationSettings) -> tuple[dict[tuple, dict], list[str]]:
@@ -129,12 +145,12 @@ def run_single_process(
                     # its group's); a preset name is the link of every dimension. Eager only: the virtual
                     # clock runs Python at every collective, which no graph holds.
                     with comm.use_mode("simulated", link=link, world_size=p, sync=sync) as clock:
-                        runs = measure_interleaved(built, gen.timing, batch, lambda c=clock: ClockTimer(c), device)
+                        runs = measure_interleaved(at_batch(built, batch), gen.timing, batch, lambda c=clock: ClockTimer(c), device)
                     rows += _rows(runs, gen, configs, degrees, batch, "simulated", link, dtype)
             if gen.upper_bound:
                 for program in gen.programs:
                     with comm.use_mode("none"):
-                        runs = measure_interleaved(built, gen.timing, batch, lambda: WallTimer(device), device, program)
+                        runs = measure_interleaved(at_batch(built, batch), gen.timing, batch, lambda: WallTimer(device), device, program)
                     rows += _rows(runs, gen, configs, degrees, batch, "upper_bound", None, dtype, program)
         del built
     finally:
@@ -166,6 +182,7 @@ def run_device_model(
                     attention_program=compute.attention_program,
                 )
                 for batch in gen.batch_sizes
+                if runs_at(arch, batch)
             }
         except (NotImplementedError, RuntimeError) as err:
             if "meta" not in str(err):
@@ -276,10 +293,10 @@ def _real_rank(
             for program in gen.programs:
                 timer = lambda: WallTimer(device, barrier=True)  # noqa: E731
                 with comm.use_mode("real"):
-                    runs = measure_interleaved(built, gen.timing, batch, timer, device, program)
+                    runs = measure_interleaved(at_batch(built, batch), gen.timing, batch, timer, device, program)
                 rows += _rows(runs, gen, configs, degrees, batch, "real", None, dtype, program)
                 with comm.use_mode("none"):
-                    runs = measure_interleaved(built, gen.timing, batch, timer, device, program)
+                    runs = measure_interleaved(at_batch(built, batch), gen.timing, batch, timer, device, program)
                 rows += _rows(runs, gen, configs, degrees, batch, "upper_bound_real", None, dtype, program)
         for row in rows:
             row["threads_per_rank"] = torch.get_num_threads()

@@ -67,6 +67,7 @@ def build_meta(arch: str, config, degrees: dict[str, int], dtype: torch.dtype = 
     with torch.device("meta"):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
+    parallel.set_overlap(model, models.schedule_of(arch))  # `llama+token_split`: llama under that schedule
     model.to(dtype)
     model.eval()
     return model

@@ -275,7 +275,8 @@ def build_training_meta(
     with torch.device(device):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
-    parallel.set_overlap(model, layout.overlap)
+    # The layout's schedule, or the one the name asks for (`llama+token_split`).
+    parallel.set_overlap(model, layout.overlap if layout.overlap != "none" else models.schedule_of(arch))
     model.to(dtype)
     model.train()
     apply_activation_checkpointing(model, layout.ac)
