@@ -281,7 +281,7 @@ def ladder_quality(rel: str) -> list[str]:
 
 
 # The architectures set beside the standard model under a system-level overlap schedule (at-scale runs, batch 16).
-AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "kraken"]
+AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "parallel+token_split", "kraken"]
 
 
 def system_overlap(rel: str) -> list[str]:

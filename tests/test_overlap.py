@@ -15,9 +15,12 @@ from tests.distributed import run_ranks
 TINY = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
-def _llama(dtype=torch.float64, seed=0):
+SPLIT_ARCHS = ["llama", "parallel"]  # the architectures that take token_split (their `overlap_schedules`)
+
+
+def _llama(dtype=torch.float64, seed=0, arch="llama"):
     torch.manual_seed(seed)
-    return models.get("llama").model_class(models.get("llama").tiny_at({"tp": 2}, **TINY)).to(dtype)
+    return models.get(arch).model_class(models.get(arch).tiny_at({"tp": 2}, **TINY)).to(dtype)
 
 
 def _loss_and_grads(model, ids):
@@ -27,10 +30,15 @@ def _loss_and_grads(model, ids):
     return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_the_architectures_that_take_it_are_listed():
+    assert [a for a in sorted(models.ZOO) if "token_split" in getattr(models.get(a).model_class, "overlap_schedules", ())] == SPLIT_ARCHS
+
+
+@pytest.mark.parametrize("arch", SPLIT_ARCHS)
 @pytest.mark.parametrize("batch", [2, 3, 4])
-def test_token_split_is_the_unsplit_model_in_fp64(batch):
+def test_token_split_is_the_unsplit_model_in_fp64(batch, arch):
     ids = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(1))
-    plain, split = _llama(), _llama()
+    plain, split = _llama(arch=arch), _llama(arch=arch)
     parallel.set_overlap(split, "token_split")
     assert all(layer.overlap == "token_split" for layer in split.model.layers)
     ref_logits, ref_loss, ref_grads = _loss_and_grads(plain, ids)
@@ -43,13 +51,14 @@ def test_token_split_is_the_unsplit_model_in_fp64(batch):
     assert all(layer.overlap == "none" for layer in split.model.layers)
 
 
+@pytest.mark.parametrize("arch", SPLIT_ARCHS)
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("batch", [2, 3])
-def test_token_split_prefill_and_cached_decode_are_the_full_forward(batch, static):
+def test_token_split_prefill_and_cached_decode_are_the_full_forward(batch, static, arch):
     # Each half writes and reads its own rows of the cache (models.common.cache.BatchSplit); the fill counter of a
     # static cache advances once per forward.
     ids = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(3))
-    plain, split = _llama(), _llama()
+    plain, split = _llama(arch=arch), _llama(arch=arch)
     parallel.set_overlap(split, "token_split")
     with torch.no_grad():
         full = plain(ids, use_cache=False).logits
@@ -65,8 +74,19 @@ def test_token_split_prefill_and_cached_decode_are_the_full_forward(batch, stati
 
 def _tp2_token_split(rank, world_size):
     mesh = parallel.init_mesh(tp=world_size)
+    for arch in SPLIT_ARCHS:
+        _tp2_one(rank, world_size, mesh, arch)
+
+
+def _all_reduces(model, ids) -> int:
+    calls = comm.snapshot_counters().get("all_reduce", {}).get("calls", 0)
+    _loss_and_grads(model, ids)
+    return comm.snapshot_counters()["all_reduce"]["calls"] - calls
+
+
+def _tp2_one(rank, world_size, mesh, arch):
     ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
-    reference, sharded = _llama(torch.float32), _llama(torch.float32)
+    reference, sharded = _llama(torch.float32, arch=arch), _llama(torch.float32, arch=arch)
     parallel.parallelize(sharded, mesh)
     parallel.set_overlap(sharded, "token_split")
     ref_logits, ref_loss, ref_grads = _loss_and_grads(reference, ids)
@@ -81,9 +101,9 @@ def _tp2_token_split(rank, world_size):
             (dim,) = [d for d, (a, b) in enumerate(zip(ref.shape, grad.shape, strict=True)) if a != b]
             ref = ref.chunk(world_size, dim=dim)[rank]
         torch.testing.assert_close(grad, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    # Forward: four all-reduces per layer (two sub-blocks x two halves); backward: the column-parallel inputs'
-    # gradients, two per half per layer.
-    assert issued == 8 * sharded.config.num_hidden_layers
+    # Every all-reduce of the unsplit model, forward and backward, once per half.
+    unsplit = parallel.parallelize(_llama(torch.float32, arch=arch), mesh)
+    assert issued == 2 * _all_reduces(unsplit, ids), arch
     with torch.no_grad():  # prefill + cached decode on the static cache, split, against the unsharded full forward
         full = reference(ids, use_cache=False).logits
         step = sharded(ids[:, :7], cache=sharded.model.make_cache(4, 16, static=True), use_cache=True)
@@ -117,7 +137,7 @@ def test_each_half_waits_after_the_other_halfs_sub_block():
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split'\]"):
         parallel.check_overlap(models.get("llama").model_class, "tokensplit")
-    for name in ("moe", "ladder", "kraken"):
+    for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)) + models.variants():
         with pytest.raises(ValueError, match=r"does not take overlap='token_split': it takes \['none'\]"):
             parallel.check_overlap(models.get(name).model_class, "token_split")
     parallel.check_overlap(models.get("moe").model_class, "none")

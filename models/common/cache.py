@@ -19,6 +19,8 @@ serves every step, and no step syncs with the host.
 - `is_static(cache)`, `cache_start(cache, device)` (tokens cached before this forward, a 0-dim tensor) and
   `cache_capacity(cache)` (the buffers' length): what the trunk needs to build positions and the mask.
 - `make_static_causal_mask(...)`: the mask of a static cache's forward, [B or 1, 1, q_len, max_cache_len].
+- `BatchSplit(cache, halves, batch)`: a cache seen as two halves of its batch, each written and read on its own (the
+  token_split overlap schedule, models.common.decoder).
 
 `reset()` empties a static cache in place (buffers zeroed, counters 0), keeping every address: a
 benchmark reuses one cache across generations, as gpt-fast does, and a CUDA graph keeps pointing at it.

@@ -19,6 +19,27 @@ from models.common.norm import RMSNorm
 from parallel import comm
 
 
+def batch_halves(hidden_states, position_embeddings, attention_mask, cache) -> list[tuple]:
+    """A layer's inputs as two halves of the batch, [(hidden_states, position_embeddings, attention_mask, cache)] x 2,
+    for the token_split overlap schedule (parallel/overlap.py): a tensor with the batch dimension is split, one
+    broadcast over the batch is shared, and a cache is seen through `BatchSplit` (each half its own rows). The first
+    half holds the extra sequence of an odd batch."""
+    batch = hidden_states.shape[0]
+    if batch < 2:
+        raise ValueError(f"overlap=token_split needs a batch of at least 2 sequences to split; this one has {batch}.")
+    halves = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
+    split = None if cache is None else BatchSplit(cache, halves, batch)  # one per forward: its halves share it
+
+    def half(x, i):
+        return x[halves[i]] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+
+    return [
+        (hidden_states[halves[i]], tuple(half(t, i) for t in position_embeddings), half(attention_mask, i),
+         None if split is None else split.half(i))
+        for i in (0, 1)
+    ]  # fmt: skip
+
+
 class PreNormAttention:
     """x -> Attn(LN1(x)) (under TP a partial, un-reduced sum) for a module with `self_attn` and
     `input_layernorm`."""
@@ -78,24 +99,14 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         sub-block, so three of the layer's four all-reduces run behind compute; the last one is waited at the
         end of the layer. Every token sees the same computation as in `forward`; with a KV cache each half
         writes and reads its own rows of it (models.common.cache.BatchSplit)."""
-        batch = hidden_states.shape[0]
-        if batch < 2:
-            raise ValueError(f"overlap=token_split needs a batch of at least 2 sequences to split; this one has {batch}.")
-        halves = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
-        split = None if cache is None else BatchSplit(cache, halves, batch)  # one per forward: its halves share it
-        caches = (None, None) if split is None else (split.half(0), split.half(1))
-
-        def half(x, i):  # a tensor with a batch dimension is split; one broadcast over the batch is shared
-            return x[halves[i]] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
-
-        x = [hidden_states[h] for h in halves]
-        pos = [tuple(half(t, i) for t in position_embeddings) for i in (0, 1)]
-        mask = [half(attention_mask, i) for i in (0, 1)]
-        attn = [comm.all_reduce(self.attention_block(x[0], pos[0], mask[0], caches[0]), self.tp_group)]
-        attn.append(comm.all_reduce(self.attention_block(x[1], pos[1], mask[1], caches[1]), self.tp_group))
-        x[0] = x[0] + attn[0].wait()  # half 0's all-reduce ran behind half 1's attention
-        mlp = [comm.all_reduce(self.mlp_block(x[0]), self.tp_group)]
-        x[1] = x[1] + attn[1].wait()  # half 1's behind half 0's MLP
-        mlp.append(comm.all_reduce(self.mlp_block(x[1]), self.tp_group))
-        x[0] = x[0] + mlp[0].wait()  # half 0's behind half 1's MLP
-        return torch.cat([x[0], x[1] + mlp[1].wait()])
+        (x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1) = batch_halves(
+            hidden_states, position_embeddings, attention_mask, cache
+        )
+        attn0 = comm.all_reduce(self.attention_block(x0, pos0, mask0, cache0), self.tp_group)
+        attn1 = comm.all_reduce(self.attention_block(x1, pos1, mask1, cache1), self.tp_group)
+        x0 = x0 + attn0.wait()  # half 0's all-reduce ran behind half 1's attention
+        mlp0 = comm.all_reduce(self.mlp_block(x0), self.tp_group)
+        x1 = x1 + attn1.wait()  # half 1's behind half 0's MLP
+        mlp1 = comm.all_reduce(self.mlp_block(x1), self.tp_group)
+        x0 = x0 + mlp0.wait()  # half 0's behind half 1's MLP
+        return torch.cat([x0, x1 + mlp1.wait()])
