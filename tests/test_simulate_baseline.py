@@ -9,14 +9,8 @@ import torch.nn.functional as F
 
 import models
 from eval.bench import check_settings
-from eval.simulator.device import (
-    ATTENTION_PROGRAMS,
-    DeviceClock,
-    DeviceModel,
-    DevicePreset,
-    attention_charges,
-    get_device,
-)
+from eval.simulator.attention import ATTENTION_PROGRAMS, attention_charges
+from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
 from parallel import comm
 from tests.benchkit import bench_settings, run_predicted

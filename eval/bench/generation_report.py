@@ -202,7 +202,7 @@ def device_model_note(settings: ComputeSettings) -> str:
         f"of the model's own forward (built on the meta device in bfloat16, rank 0's shards) is charged to {compute}'s "
         f"roofline, max(FLOPs / (peak x {dm.get('eff_flops')}), bytes / (HBM x {dm.get('eff_hbm')})) + "
         f"{dm.get('kernel_overhead_us')} us per kernel (elementwise ops fused; attention as the "
-        f"`{settings.attention_program}` program, eval.simulator.device.ATTENTION_PROGRAMS), contention {dm.get('contention')} "
+        f"`{settings.attention_program}` program, eval.simulator.attention.ATTENTION_PROGRAMS), contention {dm.get('contention')} "
         f"(latency-bound link time) to {dm.get('contention_bw', dm.get('contention'))} (bandwidth-bound), "
         f"{dm.get('collective_launch_us', 0)} us of compute-stream time per collective of the prefill (launched "
         "outside a CUDA graph; the decode step is one) (eval.costmodel's constants, settings `device_model`), and the link model's collectives are placed where "

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from eval import report
-from eval.simulator.device import ATTENTION_PROGRAMS
+from eval.simulator.attention import ATTENTION_PROGRAMS
 
 # The published table's columns as the costmodel names them (each a zoo architecture by conf/costmodel.yaml's
 # `columns`; the upper bound is the standard column with free communication).

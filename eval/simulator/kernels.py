@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from eval.simulator.device import DeviceClock, attention_charges, sdpa_keywords, tensor_bytes
+from eval.simulator.attention import attention_charges, sdpa_keywords, tensor_bytes
+from eval.simulator.device import DeviceClock
 from models.common.values import has_values
 
 FLA_CHUNK = 64  # fla's chunk_simple_gla: tokens per chunk (BT)

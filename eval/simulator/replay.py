@@ -24,7 +24,7 @@ generation (prompt_len + new_tokens / 2): for a growing cache, the average step.
 
 Attention is charged as the program the recording names (`attention_program`: flash attention by default; the
 reference's repeated K / V, `gqa_expand`; or the math decomposition over it, `math`, the scores in HBM):
-eval.simulator.device.ATTENTION_PROGRAMS. A model built at degree 1 (`build_meta(arch, config, {"tp": 1})`) is
+eval.simulator.attention.ATTENTION_PROGRAMS. A model built at degree 1 (`build_meta(arch, config, {"tp": 1})`) is
 the single-GPU baseline: unsharded, no collective sent, its time its compute (a speed-up over one GPU).
 """
 
@@ -37,7 +37,8 @@ from transformers.cache_utils import Cache
 
 import models
 import parallel
-from eval.simulator.device import DeviceClock, DeviceModel, attention_program_of
+from eval.simulator.attention import attention_program_of
+from eval.simulator.device import DeviceClock, DeviceModel
 from parallel import comm
 from parallel.link import (
     ClockRecorder,
@@ -196,7 +197,7 @@ def record_generation(
     prefill_logits: int = 1, attention_program: str | None = None,
 ) -> Recording:
     """Record the prefill of a `prompt_len` prompt and one decode step at the middle of `new_tokens`.
-    `attention_program`: how attention is charged (eval.simulator.device.ATTENTION_PROGRAMS: `flash`,
+    `attention_program`: how attention is charged (eval.simulator.attention.ATTENTION_PROGRAMS: `flash`,
     `gqa_expand`, `math`); None: `gqa_expand` if `gqa_expand` (the older flag: K and V repeated to every query
     head first), else `flash`. Unsharded (no process group, or one of one rank: TP 1) is the single-GPU
     baseline: nothing is sent, the time is the compute.

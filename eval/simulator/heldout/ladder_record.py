@@ -7,7 +7,7 @@ eval/simulator/heldout/ladder_record.json, read by the same rule. Nothing is fit
 the fitted cells do not reach:
 
 - **decode at large batch** (32-64): attention over the static cache dominates the step. How it is charged is what
-  the reference runs (`attention_program: inductor`, eval.simulator.device.decode_reduction_charges): gpt-fast turns
+  the reference runs (`attention_program: inductor`, eval.simulator.attention.decode_reduction_charges): gpt-fast turns
   on Inductor's coordinate-descent tuning, under which a batched matmul with one row is decomposed into a product
   and a sum that Inductor fuses with the repeat of K and V, so each query head reads its KV head's rows and no
   repeated copy is written;
@@ -37,7 +37,7 @@ SHAPES = {"8b": "llama3-8b", "70b": "llama3-70b"}
 COLUMNS = {"standard": "llama", "ladder": "ladder", "parallel": "parallel"}  # the upper bound: standard, free links
 DEVICE, LINK = "h100-sxm", "nvlink-h100"
 PROMPT, NEW = 1024, 512
-PROGRAM = "inductor"  # eval.simulator.device.ATTENTION_PROGRAMS: what the reference compiles
+PROGRAM = "inductor"  # eval.simulator.attention.ATTENTION_PROGRAMS: what the reference compiles
 # quick (tests): the same code path at a tiny shape; nothing is compared.
 QUICK_SHAPE = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
