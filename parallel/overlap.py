@@ -5,13 +5,17 @@ the unchanged model after its shard layout:
 
 - `none`: each collective is waited where the architecture's own `forward()` waits it.
 - `token_split`: the batch split in two halves that take turns, so that one half's tensor-parallel all-reduce is in
-  flight while the other half computes (TokenWeave's and Domino's batch split; the zoo's standard block,
-  `models.common.PreNormDecoderLayer.token_split_forward`, where the waits are written). It needs a batch of two
-  sequences or more and a forward without a KV cache (a training step, a cache-free forward).
+  flight while the other half computes (TokenWeave's and Domino's batch split). The waits are written in the layers
+  that take it (the standard block's `models.common.PreNormDecoderLayer.token_split_forward`, the parallel
+  block's). It needs a batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
+  (`models.common.cache.BatchSplit`).
+
+The benches and the simulator name an architecture under a schedule `<arch>+<schedule>` (`llama+token_split`,
+`models.schedule_of`).
 
 An architecture takes a schedule by listing it in its model class's `overlap_schedules`; any other is refused with
 the reason, before anything runs. Each schedule computes the same function as `none`: tests/test_overlap.py checks
-logits, loss and gradients against the unsplit model (fp64) and under TP 2 against the unsharded one.
+logits, loss, gradients and cached decode against the unsplit model (fp64) and under TP 2 against the unsharded one.
 """
 
 from torch import nn
