@@ -6,7 +6,8 @@ sharded on a fake process group, every aten op charged to the device model that 
 Ladder paper's 70B table (reports/costmodel) and every collective to the link model. Nothing is timed on this
 machine; the numbers are the same on any machine. Each run's rows are set against its baseline, beside the
 published number of the architecture where one exists (`published`), and written to one README with the
-bench runs' own reports under it.
+bench runs' own reports under it. A run of the bench's training section (`bench_preset=train`) gives training-step
+rows instead (`train_rows`, the training simulator: eval/simulator/training.py).
 """
 
 import json
@@ -139,10 +140,25 @@ def scale_rows(name: str, results: dict) -> list[dict]:
     return out
 
 
+TRAIN_COLUMNS = [
+    ("arch", "arch"), ("against", "against"), ("layout", "layout"), ("tokens_per_s_per_device", "tokens/s per GPU"),
+    ("speedup_vs_baseline", "step speed-up"), ("mfu", "MFU"), ("exposed_ms", "exposed ms"),
+]  # fmt: skip
+
+
+def train_rows(name: str, results: dict) -> list[dict]:
+    """The predicted training-step rows of one bench run (its training section), each over the run's baseline at
+    the same layout and AC mode."""
+    base = results["settings"]["baseline"]
+    return [{"run": name, "against": base, **{k: r[k] for k in ("arch", "layout", "ac", "tokens_per_s_per_device",
+                                                                  "speedup_vs_baseline", "mfu", "exposed_ms")}}
+            for r in results.get("training") or [] if r.get("compute") != "measured"]  # fmt: skip
+
+
 def run_all(cfg: DictConfig, out_dir: Path) -> dict:
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs, rows, skipped = {}, [], []
+    runs, rows, training, skipped = {}, [], [], []
     for name, spec in cfg.runs.items():
         # A run with `prompt_lens` runs once per prompt length (e.g. the Kraken paper's contexts 128 and 2048).
         for prompt_len in spec.get("prompt_lens") or [None]:
@@ -153,9 +169,10 @@ def run_all(cfg: DictConfig, out_dir: Path) -> dict:
             runs[label] = {"title": spec.title + ("" if prompt_len is None else f", prompt {prompt_len}"),
                            "command": results["command"], "compute": results["compute"]}  # fmt: skip
             rows += scale_rows(label, results)
+            training += train_rows(label, results)
             skipped += [f"{label}: {s}" for s in results["skipped"]]
     published = OmegaConf.to_container(cfg.published)
-    result = {"runs": runs, "rows": rows, "skipped": skipped, "published": published,
+    result = {"runs": runs, "rows": rows, "training": training, "skipped": skipped, "published": published,
               "elapsed_s": time.perf_counter() - started}  # fmt: skip
     report.write_json(out_dir / "at_scale.json", result)
     (out_dir / "README.md").write_text(markdown(result), encoding="utf-8")
@@ -242,7 +259,7 @@ def markdown(result: dict) -> str:
         "within 15%; in sample), every collective to the link model. These rows are at the zoo's Llama 3 shapes, "
         "not at the other papers' own settings: those, held out, are reports/simulator-validation. Generation as the "
         "Ladder paper's benchmark unless a run's command says otherwise (the Kraken runs: 8 x A100-80GB, prompts of "
-        "128 and 2048 tokens, time to first token): prompt 1024, "
+        "128 and 2048 tokens, time to first token; the training runs: one optimizer step): prompt 1024, "
         "512 new tokens, a static KV cache; tokens/s = batch x new tokens / (prefill + (new tokens - 1) decode "
         "steps). Speed-ups are over the run's baseline on the same link; time to first token, change = prefill "
         "time over the baseline's, minus 1. The same numbers come out on any machine "
@@ -250,6 +267,13 @@ def markdown(result: dict) -> str:
         "",
     ]
     for name, run in result["runs"].items():
+        steps = [r for r in result.get("training", []) if r["run"] == name]
+        if steps:
+            lines += [f"## {run['title']}", "", f"`{run['command']}` ([its bench report]({name}/README.md))", "",
+                      "One optimizer step, predicted by the training simulator (eval/simulator/training.py); step "
+                      "speed-up = tokens/s over the baseline's at the same layout.", "",
+                      report.write_markdown_table(steps, TRAIN_COLUMNS), ""]  # fmt: skip
+            continue
         rows = [r for r in result["rows"] if r["run"] == name]
         columns = COLUMNS + (MOE_COLUMNS if any(r["a2a_hidden"] is not None for r in rows) else [])
         lines += [f"## {run['title']}", "", f"`{run['command']}` ([its bench report]({name}/README.md))", "",

@@ -286,7 +286,8 @@ AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "parallel+token_sp
 
 def system_overlap(rel: str) -> list[str]:
     """Each dense architecture's predicted speed-up over the standard model beside the standard model's own under
-    token_split, at the 8B and 70B shapes (batch 16, TP 8, NVLink: the at-scale report's rows)."""
+    token_split, at the 8B and 70B shapes: generation (batch 16, TP 8, NVLink) and a training step (the at-scale
+    report's rows)."""
     rows = {(r["run"], r["arch"], r["batch"]): r for r in _load(AT_SCALE)["rows"]}
     lines = ["| shape | against `llama` | tokens/s | prefill | decode |", "|---|---|---|---|---|"]
     for run, shape in (("dense_8b", "8B"), ("dense_70b", "70B")):
@@ -295,8 +296,13 @@ def system_overlap(rel: str) -> list[str]:
             if r is not None:
                 lines.append(f"| {shape} | `{arch}` | {_x(r['speedup_total'])} | {_x(r['speedup_prefill'])} | "
                              f"{_x(r['speedup_decode'])} |")  # fmt: skip
-    lines += ["", f"Batch 16, TP 8 on NVLink, predicted: [reports/at-scale]({rel}reports/at-scale/README.md) "
-              "(`python -m eval.at_scale`)."]
+    lines += ["", "| shape, one training step | against `llama` | step speed-up | tokens/s per GPU |", "|---|---|---|---|"]
+    for r in _load(AT_SCALE).get("training", []):
+        if r["arch"] != r["against"]:
+            shape = {"train_8b": "8B, FSDP 8 x TP 8", "train_70b": "70B, FSDP 32 x TP 8"}.get(r["run"], r["run"])
+            lines.append(f"| {shape} | `{r['arch']}` | {_x(r['speedup_vs_baseline'])} | {r['tokens_per_s_per_device']:,.0f} |")
+    lines += ["", f"Generation at batch 16, TP 8 on NVLink; training steps at torchtitan's 2-D layouts (8192-token "
+              f"sequences); predicted: [reports/at-scale]({rel}reports/at-scale/README.md) (`python -m eval.at_scale`)."]
     return lines
 
 

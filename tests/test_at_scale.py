@@ -83,3 +83,18 @@ def test_a_ladder_variant_is_set_against_its_standard_sibling(result):
     assert "- **gqla_ladder** (tp=2, nvlink-h100): `gqla` with the ladder residual schedule" in text
     combine = " / ".join(f"{rows[('moe', 'moe_ladder', b)]['combine_hidden']:.0%}" for b in (1, 2))
     assert f"hides {combine} of the combine's link time" in text
+
+
+def test_a_training_run_gives_step_rows_over_its_baseline():
+    # A bench run of the training section (bench_preset=train): its predicted rows, measured ones left out.
+    step = {"layout": "dp8 x tp8", "ac": "selective", "mfu": 0.2, "exposed_ms": 1.0}
+    results = {"settings": {"baseline": "llama"}, "training": [
+        {**step, "arch": "llama", "compute": "h100-sxm", "tokens_per_s_per_device": 100.0, "speedup_vs_baseline": 1.0},
+        {**step, "arch": "llama+token_split", "compute": "h100-sxm", "tokens_per_s_per_device": 101.0,
+         "speedup_vs_baseline": 1.01},
+        {**step, "arch": "llama", "compute": "measured", "tokens_per_s_per_device": 5.0, "speedup_vs_baseline": 1.0},
+    ]}  # fmt: skip
+    rows = at_scale.train_rows("train_8b", results)
+    assert [(r["arch"], r["against"], r["speedup_vs_baseline"]) for r in rows] == [
+        ("llama", "llama", 1.0), ("llama+token_split", "llama", 1.01)]  # fmt: skip
+    assert at_scale.train_rows("dense_8b", {"settings": {"baseline": "llama"}, "rows": []}) == []
