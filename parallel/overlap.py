@@ -21,6 +21,8 @@ logits, loss, gradients and cached decode against the unsplit model (fp64) and u
 from torch import nn
 
 SCHEDULES = ("none", "token_split")
+# The fewest sequences a forward needs for the schedule to mean something (a split needs two halves).
+MIN_BATCH = {"none": 1, "token_split": 2}
 
 
 def check_overlap(model_class: type, schedule: str) -> None:

@@ -31,6 +31,7 @@ from eval.bench.timing import ClockTimer, WallTimer, measure_interleaved, summar
 from eval.simulator.device import DeviceModel
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
 from parallel import comm
+from parallel.overlap import MIN_BATCH
 
 
 def build_sharded(arch: str, cfg: dict, degrees: dict[str, int], mesh, device: torch.device, dtype: torch.dtype):
@@ -94,16 +95,17 @@ def archs_at_points(gen: GenerationSettings, points: list[dict[str, int]]) -> tu
         archs_at[degrees_key(degrees)] = fit
         skipped += [f"{label}: {reason}" for reason in refused]
     for arch in gen.archs:
-        unsplit = [b for b in gen.batch_sizes if not runs_at(arch, b)]
-        if unsplit:
-            skipped.append(f"{arch}: no row at batch {', '.join(map(str, unsplit))}: token_split needs a batch of 2 "
-                           "sequences or more to split (parallel/overlap.py)")  # fmt: skip
+        too_small = [b for b in gen.batch_sizes if not runs_at(arch, b)]
+        if too_small:
+            schedule = models.schedule_of(arch)
+            skipped.append(f"{arch}: no row at batch {', '.join(map(str, too_small))}: {schedule} needs a batch of "
+                           f"{MIN_BATCH[schedule]} sequences or more to split (parallel/overlap.py)")  # fmt: skip
     return archs_at, skipped
 
 
 def runs_at(arch: str, batch: int) -> bool:
-    """Whether `arch` (maybe `<name>+<schedule>`) has a row at `batch`: token_split needs two sequences or more."""
-    return models.schedule_of(arch) != "token_split" or batch >= 2
+    """Whether `arch` (maybe `<name>+<schedule>`) has a row at `batch`: its schedule's fewest sequences or more."""
+    return batch >= MIN_BATCH[models.schedule_of(arch)]
 
 
 def at_batch(built: dict, batch: int) -> dict:

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import models
 import parallel
-from eval.simulator.training import TrainLayout, shard_params
+from eval.simulator.training import TrainLayout, overlap_of, shard_params
 from parallel import comm
 from parallel.fsdp import TOKEN_DIMS, apply_fsdp, fsdp_mesh
 from train.activation_checkpointing import apply_activation_checkpointing
@@ -116,7 +116,7 @@ def predict_training_memory(
             # `module.to()` cannot swap fake parameters.
             model = _build(arch, config, torch.float32 if fsdp else param_dtype)
             parallel.parallelize(model, mesh)
-            parallel.set_overlap(model, layout.overlap)
+            parallel.set_overlap(model, overlap_of(arch, layout))
             apply_activation_checkpointing(model, layout.ac)
             if fsdp:
                 policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -265,6 +265,12 @@ class FSDPSchedule:
         self._pending = []
 
 
+def overlap_of(arch: str, layout: TrainLayout) -> str:
+    """The overlap schedule a replay of `arch` at `layout` runs: the layout's, or the one the name asks for
+    (`llama+token_split`)."""
+    return layout.overlap if layout.overlap != "none" else models.schedule_of(arch)
+
+
 def build_training_meta(
     arch: str, config, layout: TrainLayout, dtype=torch.bfloat16, rank: int = 0, device: str = "meta"
 ) -> nn.Module:
@@ -275,8 +281,7 @@ def build_training_meta(
     with torch.device(device):
         model = models.get(arch).model_class(config)
     parallel.parallelize(model, mesh)
-    # The layout's schedule, or the one the name asks for (`llama+token_split`).
-    parallel.set_overlap(model, layout.overlap if layout.overlap != "none" else models.schedule_of(arch))
+    parallel.set_overlap(model, overlap_of(arch, layout))
     model.to(dtype)
     model.train()
     apply_activation_checkpointing(model, layout.ac)

@@ -17,6 +17,7 @@ from models.common.cache import BatchSplit
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
 from parallel import comm
+from parallel.overlap import MIN_BATCH
 
 
 def batch_halves(hidden_states, position_embeddings, attention_mask, cache) -> list[tuple]:
@@ -25,8 +26,11 @@ def batch_halves(hidden_states, position_embeddings, attention_mask, cache) -> l
     broadcast over the batch is shared, and a cache is seen through `BatchSplit` (each half its own rows). The first
     half holds the extra sequence of an odd batch."""
     batch = hidden_states.shape[0]
-    if batch < 2:
-        raise ValueError(f"overlap=token_split needs a batch of at least 2 sequences to split; this one has {batch}.")
+    if batch < MIN_BATCH["token_split"]:
+        raise ValueError(
+            f"overlap=token_split needs a batch of at least {MIN_BATCH['token_split']} sequences to split; this one has "
+            f"{batch}."
+        )
     halves = (slice(0, (batch + 1) // 2), slice((batch + 1) // 2, batch))
     split = None if cache is None else BatchSplit(cache, halves, batch)  # one per forward: its halves share it
 
