@@ -27,8 +27,8 @@ Column = str | tuple[str, str]  # a key, or (key, header)
 
 def hidden_fraction(t_base: float, t_arch: float, t_upper: float, min_comm_fraction: float = 0.01) -> float | None:
     """(T_base - T_arch) / (T_base - T_upper): the share of the baseline's communication overhead that
-    the architecture removes (DESIGN.md, "Measuring speed honestly"). None when the baseline has (almost) no
-    overhead to hide: a denominator below `min_comm_fraction` of T_base is noise, not communication."""
+    the architecture removes (T_upper: the same run with free communication). None when the baseline has (almost)
+    no overhead to hide: a denominator below `min_comm_fraction` of T_base is noise, not communication."""
     gap = t_base - t_upper
     if gap <= min_comm_fraction * t_base:
         return None

@@ -66,7 +66,7 @@ def test_report_at_a_tiny_shape_and_the_fit_only_lowers_the_loss(tmp_path):
 def test_the_reference_record_is_the_papers_table_and_cites_its_logs():
     ref = cm.REFERENCE
     assert ref["source"].startswith("mayank31398/ladder-residual-inference") and len(ref["commit"]) == 40
-    # The paper's table (../shared/specs/ladder.md): the logs' tokens/s are its numbers.
+    # The paper's 70B table: the logs' tokens/s are its numbers.
     table = {(1, 8): (77.39, 101.22, 94.22, 110.59), (4, 8): (258.56, 331.45, 307.34, 355.8),
              (16, 8): (843.15, 1003.52, 973.74, 1109.65), (1, 4): (59.41, 67.51, 65.4, 69.04)}  # fmt: skip
     assert {(p["batch"], p["tp"]): tuple(p[c] for c in cm.COLUMNS) for p in cm.PUBLISHED_70B} == table

@@ -4,7 +4,7 @@ Random weights at a given shape (`conf/bench_shape/`), greedy generation from a 
 to first token) and the decode loop are timed separately after warm-up, the device synchronised at each
 boundary, median and min/max over repeats (gpt-fast's benchmark loop). Each architecture is measured at each
 degree point (`tp: [2, 4]` gives {"tp": 2} and {"tp": 4}, `ep: [2]` gives {"ep": 2}, `degrees: [{ep: 2, tp: 2}]`
-a point of several dimensions) in one run in three ways (DESIGN.md, "Measuring speed honestly"): `simulated`
+a point of several dimensions) in one run in three ways (docs/speed.md, "The bench"): `simulated`
 (one process plays rank 0, collectives on a link model's virtual clock), `upper_bound` (the same compute, no
 collectives) and `real` (P processes, real collectives). With `compute=<device preset>` the simulated and
 upper-bound rows are predicted by the speed simulator (eval/simulator/) instead of measured here.

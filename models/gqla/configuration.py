@@ -1,4 +1,4 @@
-"""Configuration of GQLA (group-query latent attention; spec ../shared/specs/gqla.md): a Llama config plus
+"""Configuration of GQLA (group-query latent attention; docs/architectures.md#gqla): a Llama config plus
 the latent-attention fields, in DeepSeek MLA's names.
 
 - `kv_lora_rank` (d_c): width of the shared latent c = W_DKV x, the one vector per token (with k_r) that

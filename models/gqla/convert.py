@@ -1,4 +1,4 @@
-"""Llama (GQA) -> GQLA conversion: TransGQLA (spec ../shared/specs/gqla.md, extending TransMLA).
+"""Llama (GQA) -> GQLA conversion: TransGQLA (docs/architectures.md#gqla, extending TransMLA).
 
 Per layer, with the source's H query heads, n_g KV heads (= GQLA groups), head_dim hd and RoPE in
 rotate-half pairing (pair i = dims (i, i + hd/2), frequency theta^(-2i/hd)):

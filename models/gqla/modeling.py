@@ -1,4 +1,4 @@
-"""GQLA: group-query latent attention (spec ../shared/specs/gqla.md): one set of weights, two exact decode
+"""GQLA: group-query latent attention (docs/architectures.md#gqla): one set of weights, two exact decode
 paths.
 
 Per layer, in DeepSeek MLA's notation (H query heads, n_g groups, head h in group g(h) = h // (H / n_g)):

@@ -1,6 +1,6 @@
 """Linear-Llama: the Llama stack with causal linear attention as the sequence mixer, and hybrids of it.
 
-A linear-attention layer (`LinearAttention`; spec ../shared/specs/linear.md, the LASP-2 paper's
+A linear-attention layer (`LinearAttention`; docs/architectures.md#linear, the LASP-2 paper's
 Linear-Llama3):
 
     q = silu(W_q x) / sqrt(h_d),  k = silu(W_k x),  v = W_v x        per head, no RoPE
