@@ -197,7 +197,7 @@ def get(name: str) -> ZooEntry:
     if SCHEDULE_SEP in name:
         base, schedule = name.split(SCHEDULE_SEP, 1)
         entry = get(base)
-        check_overlap(entry.model_class, schedule)
+        check_overlap(entry.model_class, schedule, entry.tiny_config.get("residual", "standard"))
         return entry
     base = name.removesuffix(LADDER_SUFFIX)
     if name.endswith(LADDER_SUFFIX) and base in ZOO and "ladder" in ZOO[base].residuals:

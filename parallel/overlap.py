@@ -5,16 +5,18 @@ the unchanged model after its shard layout:
 
 - `none`: each collective is waited where the architecture's own `forward()` waits it.
 - `token_split`: the batch split in two halves that take turns, so that one half's tensor-parallel all-reduce is in
-  flight while the other half computes (TokenWeave's and Domino's batch split). The waits are written in the layers
-  that take it (the standard block's `models.common.PreNormDecoderLayer.token_split_forward`, the parallel
-  block's). It needs a batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
+  flight while the other half computes (TokenWeave's and Domino's batch split), and in an MoE layer one half's
+  expert-parallel dispatch / combine all-to-all while the other half's experts run (DeepSeek's and SGLang's
+  two-batch overlap). The waits are written in the layers that take it (the standard block's
+  `models.common.PreNormDecoderLayer.token_split_forward`, the parallel block's, `models.moe`'s MoE layer). It needs a batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
   (`models.common.cache.BatchSplit`).
 
 The benches and the simulator name an architecture under a schedule `<arch>+<schedule>` (`llama+token_split`,
 `models.schedule_of`).
 
 An architecture takes a schedule by listing it in its model class's `overlap_schedules`; any other is refused with
-the reason, before anything runs. Each schedule computes the same function as `none`: tests/test_overlap.py checks
+the reason, before anything runs, and so is a schedule on a ladder variant (`residual='ladder'`: the residual
+schedule runs the sub-blocks itself). Each schedule computes the same function as `none`: tests/test_overlap.py checks
 logits, loss, gradients and cached decode against the unsplit model (fp64) and under TP 2 against the unsharded one.
 """
 
@@ -25,8 +27,9 @@ SCHEDULES = ("none", "token_split")
 MIN_BATCH = {"none": 1, "token_split": 2}
 
 
-def check_overlap(model_class: type, schedule: str) -> None:
-    """One clear error for a schedule that is unknown or that `model_class` does not take."""
+def check_overlap(model_class: type, schedule: str, residual: str = "standard") -> None:
+    """One clear error for a schedule that is unknown or that `model_class` (under the residual schedule `residual`,
+    its config's) does not take."""
     if schedule not in SCHEDULES:
         raise ValueError(f"overlap={schedule!r} is not a schedule; choose one of {list(SCHEDULES)}.")
     takes = ("none", *getattr(model_class, "overlap_schedules", ()))
@@ -36,11 +39,17 @@ def check_overlap(model_class: type, schedule: str) -> None:
             "collectives in a schedule of their own, or split batches would change what they compute). An "
             "architecture takes a schedule by listing it in its model class's `overlap_schedules`."
         )
+    if schedule != "none" and residual != "standard":
+        raise ValueError(
+            f"overlap={schedule!r} is not built for residual={residual!r}: the ladder residual schedule runs its "
+            "layers' sub-blocks itself (models/common/residual.py), each collective waited one sub-block later, so a "
+            "layer's own split would not run; use the architecture's standard form or overlap='none'."
+        )
 
 
 def set_overlap(model: nn.Module, schedule: str) -> nn.Module:
     """Run every layer of `model` that has an `overlap` setting under `schedule` (in place); returns `model`."""
-    check_overlap(type(model), schedule)
+    check_overlap(type(model), schedule, getattr(model.config, "residual", "standard"))
     layers = [m for m in model.modules() if hasattr(m, "overlap")]
     if schedule != "none" and not layers:
         raise ValueError(f"{type(model).__name__} lists overlap={schedule!r} but has no layer with an `overlap` setting.")

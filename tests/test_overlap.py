@@ -15,7 +15,7 @@ from tests.distributed import run_ranks
 TINY = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
-SPLIT_ARCHS = ["llama", "parallel"]  # the architectures that take token_split (their `overlap_schedules`)
+SPLIT_ARCHS = ["llama", "moe", "parallel"]  # the architectures that take token_split (their `overlap_schedules`)
 
 
 def _llama(dtype=torch.float64, seed=0, arch="llama"):
@@ -137,10 +137,16 @@ def test_each_half_waits_after_the_other_halfs_sub_block():
 def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split'\]"):
         parallel.check_overlap(models.get("llama").model_class, "tokensplit")
-    for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)) + models.variants():
+    for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)):
         with pytest.raises(ValueError, match=r"does not take overlap='token_split': it takes \['none'\]"):
             parallel.check_overlap(models.get(name).model_class, "token_split")
-    parallel.check_overlap(models.get("moe").model_class, "none")
+    for name in models.variants():  # the ladder residual schedule runs the sub-blocks itself
+        with pytest.raises(ValueError, match=r"(is not built for residual='ladder'|does not take overlap='token_split')"):
+            models.get(f"{name}+token_split")
+    parallel.check_overlap(models.get("scmoe").model_class, "none")
+    ladder = models.get("moe_ladder")
+    with pytest.raises(ValueError, match=r"overlap='token_split' is not built for residual='ladder'"):
+        parallel.set_overlap(ladder.model_class(ladder.tiny()), "token_split")
     model = _llama()
     parallel.set_overlap(model, "token_split")
     ids = torch.randint(0, 256, (1, 6))
@@ -151,8 +157,43 @@ def test_refusals_name_the_reason():
 def test_the_trainer_refuses_a_schedule_before_building_anything():
     from train.module import CausalLMModule
 
-    with pytest.raises(ValueError, match=r"ZooMoeForCausalLM does not take overlap='token_split'"):
-        CausalLMModule("moe", {}, 256, {"lr": 1e-3}, parallel={"overlap": "token_split"})
+    with pytest.raises(ValueError, match=r"ZooScMoeForCausalLM does not take overlap='token_split'"):
+        CausalLMModule("scmoe", {}, 256, {"lr": 1e-3}, parallel={"overlap": "token_split"})
+    with pytest.raises(ValueError, match=r"overlap='token_split' is not built for residual='ladder'"):
+        CausalLMModule("moe_ladder", {}, 256, {"lr": 1e-3}, parallel={"overlap": "token_split"})
+
+
+@pytest.mark.parametrize("fields", [{"capacity_factor": 1.0}, {"moe_dispatch": "padded", "dispatch_capacity_factor": 1.5}])
+def test_a_split_moe_with_a_capacity_is_refused(fields):
+    # A capacity is computed from the tokens of one forward: halves would drop other assignments than the batch.
+    model = parallel.set_overlap(models.get("moe").model_class(models.get("moe").tiny(**fields)), "token_split")
+    with pytest.raises(ValueError, match=r"overlap=token_split splits the batch, and this MoE block's capacity"):
+        model(torch.randint(0, 256, (2, 6)), use_cache=False)
+
+
+def _ep2_moe(rank, world_size):
+    # Two-batch overlap of the dispatch / combine all-to-alls: the unsharded model's logits, loss (with the balance
+    # loss, over the ep group's tokens as unsplit) and gradients, each rank feeding its own sequences.
+    mesh = parallel.init_mesh(ep=world_size)
+    ids = torch.randint(0, 256, (4 * world_size, 10), generator=torch.Generator().manual_seed(5))
+    mine = ids.chunk(world_size)[rank]
+    for style in ("zoo", "hf"):
+        torch.manual_seed(0)
+        config = models.get("moe").tiny_at({"ep": world_size}, **TINY, router_aux_loss_style=style)
+        plain = parallel.parallelize(models.get("moe").model_class(config).to(torch.float64), mesh)
+        torch.manual_seed(0)
+        split = parallel.parallelize(models.get("moe").model_class(config).to(torch.float64), mesh)
+        parallel.set_overlap(split, "token_split")
+        ref_logits, ref_loss, ref_grads = _loss_and_grads(plain.train(), mine)
+        logits, loss, grads = _loss_and_grads(split.train(), mine)
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-10)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-10)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_token_split_of_the_moe_all_to_alls_under_ep2_is_the_unsplit_model():
+    run_ranks(_ep2_moe, 2)
 
 
 def _compiled_ranks(rank, world_size):

@@ -106,7 +106,8 @@ class CausalLMModule(OptimizationHooks, L.LightningModule):
         self.degrees = parallel_degrees(parallel)
         # The system-level overlap schedule (parallel/overlap.py), refused here if the architecture does not take it.
         self.overlap = (parallel or {}).get("overlap", "none")
-        check_overlap(models.get(model_name).model_class, self.overlap)
+        residual = "ladder" if models.standard_sibling(model_name) else model_config.get("residual", "standard")
+        check_overlap(models.get(model_name).model_class, self.overlap, residual)
         if nonfinite_loss not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r}; use one of {NONFINITE_POLICIES}.")
         # The embedding must hold every id the tokenizer gives; a larger one (a padded vocabulary) is kept.

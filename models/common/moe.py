@@ -293,6 +293,19 @@ TRACED_EP_DROPLESS = (
 )
 
 
+def check_split_capacity(block: nn.Module) -> None:
+    """Refuse a batch split (the token_split overlap schedule) on an MoE block with a capacity: its capacity is
+    computed from the tokens one forward routes, so two halves would drop other assignments than the whole batch."""
+    mode, factor = dispatch_now(block)
+    if block.capacity_factor is not None or (mode == "padded" and factor is not None):
+        raise ValueError(
+            f"overlap=token_split splits the batch, and this MoE block's capacity (capacity_factor="
+            f"{block.capacity_factor}, moe_dispatch={mode!r} with dispatch_capacity_factor={factor}) is computed from "
+            "the tokens of one forward, so each half would drop other assignments than the whole batch does; run it "
+            "dropless (capacity_factor=None) or padded without a capacity factor (C = the tokens: nothing dropped)."
+        )
+
+
 def set_moe_dispatch(model: nn.Module, mode: str, capacity_factor: float | None = None) -> nn.Module:
     """Switch every MoE block of `model` to the dispatch `mode` ("dropless" | "padded"), the padded one with
     `capacity_factor` (None: C = T, never drops), and record both in `model.config` (`moe_dispatch`,
