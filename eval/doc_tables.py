@@ -280,28 +280,33 @@ def ladder_quality(rel: str) -> list[str]:
     return lines
 
 
-# The architectures set beside the standard model under a system-level overlap schedule (at-scale runs, batch 16).
+# The architectures set beside the standard model under a system-level overlap schedule (at-scale runs, batch 16):
+# the dense TP family against llama, the MoE family against moe (the same MoE layers: bench_preset=moe).
 AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "parallel+token_split", "kraken"]
+AGAINST_MOE_OVERLAP = ["moe+token_split", "scmoe", "moe_ladder"]
 
 
 def system_overlap(rel: str) -> list[str]:
-    """Each dense architecture's predicted speed-up over the standard model beside the standard model's own under
-    token_split, at the 8B and 70B shapes: generation (batch 16, TP 8, NVLink) and a training step (the at-scale
-    report's rows)."""
-    rows = {(r["run"], r["arch"], r["batch"]): r for r in _load(AT_SCALE)["rows"]}
-    lines = ["| shape | against `llama` | tokens/s | prefill | decode |", "|---|---|---|---|---|"]
-    for run, shape in (("dense_8b", "8B"), ("dense_70b", "70B")):
-        for arch in AGAINST_OVERLAP:
-            r = rows.get((run, arch, 16))
-            if r is not None:
-                lines.append(f"| {shape} | `{arch}` | {_x(r['speedup_total'])} | {_x(r['speedup_prefill'])} | "
-                             f"{_x(r['speedup_decode'])} |")  # fmt: skip
+    """Each architecture's predicted speed-up over the standard model beside the standard model's own under
+    token_split: the dense family at the 8B and 70B shapes (batch 16, TP 8, NVLink), the MoE family at the 8B shape
+    with 8 experts (batch 16, EP 8, NVLink and PCIe), and a training step (the at-scale report's rows)."""
+    rows = {(r["run"], r["arch"], r["batch"], r["at"]): r for r in _load(AT_SCALE)["rows"]}
+    lines = ["| shape, link | against | architecture | tokens/s | prefill | decode |", "|---|---|---|---|---|---|"]
+    for run, shape, archs in (("dense_8b", "8B", AGAINST_OVERLAP), ("dense_70b", "70B", AGAINST_OVERLAP),
+                              ("moe_8x7b", "8B, 8 experts", AGAINST_MOE_OVERLAP)):  # fmt: skip
+        for at in sorted({k[3] for k in rows if k[0] == run}):
+            for arch in archs:
+                r = rows.get((run, arch, 16, at))
+                if r is not None:
+                    link = at.split(", ")[-1]
+                    lines.append(f"| {shape}, {link} | `{r['against']}` | `{arch}` | {_x(r['speedup_total'])} | "
+                                 f"{_x(r['speedup_prefill'])} | {_x(r['speedup_decode'])} |")  # fmt: skip
     lines += ["", "| shape, one training step | against `llama` | step speed-up | tokens/s per GPU |", "|---|---|---|---|"]
     for r in _load(AT_SCALE).get("training", []):
         if r["arch"] != r["against"]:
             shape = {"train_8b": "8B, FSDP 8 x TP 8", "train_70b": "70B, FSDP 32 x TP 8"}.get(r["run"], r["run"])
             lines.append(f"| {shape} | `{r['arch']}` | {_x(r['speedup_vs_baseline'])} | {r['tokens_per_s_per_device']:,.0f} |")
-    lines += ["", f"Generation at batch 16, TP 8 on NVLink; training steps at torchtitan's 2-D layouts (8192-token "
+    lines += ["", f"Generation at batch 16, TP 8 (dense) or EP 8 (MoE); training steps at torchtitan's 2-D layouts (8192-token "
               f"sequences); predicted: [reports/at-scale]({rel}reports/at-scale/README.md) (`python -m eval.at_scale`)."]
     return lines
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import models
+from models.registry import SCHEDULE_SEP
 from eval.bench.checks import check_generation, check_numbers
 from eval.bench.degrees import degree_points, degrees_key, degrees_label, link_label, ranks
 from eval.bench.machine import cpu_cores, resolve_device
@@ -42,7 +43,8 @@ class ModelSettings:
     """How an architecture's config is built: `bench_shape` (less its name) through the architecture's own
     `bench_config` (its registry entry), with `config_overrides[arch]` on top. A ladder variant (`moe_ladder`)
     takes its standard sibling's overrides first (bench_preset=moe's moe_layer_freq for moe), then its own: the
-    same model but for the residual schedule."""
+    same model but for the residual schedule; an architecture under an overlap schedule (`moe+token_split`) takes
+    its architecture's."""
 
     shape: dict
     overrides: dict  # {arch: {config field: value}}
@@ -54,7 +56,9 @@ class ModelSettings:
     def config(self, arch: str, degrees: dict[str, int], **extra):
         """The config of `arch` at the shape and `degrees`, `config_overrides[arch]` on top (a ladder variant's
         sibling's under its own) and `extra` on top of those."""
-        overrides = {**(self.overrides.get(standard_sibling(arch)) or {}), **(self.overrides.get(arch) or {})}
+        model = arch.split(SCHEDULE_SEP, 1)[0]  # `moe+token_split` is moe's model under a schedule: moe's overrides
+        overrides = {**(self.overrides.get(standard_sibling(model)) or {}), **(self.overrides.get(model) or {}),
+                     **(self.overrides.get(arch) or {})}  # fmt: skip
         return models.get(arch).bench_config(dict(self.shape), degrees, **{**overrides, **extra})
 
     def at_shape(self, bench_shape: dict) -> "ModelSettings":
