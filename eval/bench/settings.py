@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 import torch
 
 import models
-from models.registry import SCHEDULE_SEP
 from eval.bench.checks import check_generation, check_numbers
 from eval.bench.degrees import degree_points, degrees_key, degrees_label, link_label, ranks
 from eval.bench.machine import cpu_cores, resolve_device
 from eval.report import standard_sibling
 from eval.simulator.attention import ATTENTION_PROGRAMS
 from eval.simulator.device import DEVICES, DeviceModel
+from models.registry import SCHEDULE_SEP
 
 # The degree names and the device are read from here too (eval.tour, eval.at_scale, eval.gpu_check, the tests).
 __all__ = [
