@@ -13,7 +13,10 @@ Families (`predict.families` in conf/tour.yaml):
   schedule (LASP-2 / LASP-2H) against the baselines' (LASP-1 / ring attention); an architecture's step is the sum
   over its layer pattern (linear "L", the hybrid "LLLN").
 
-An architecture of `archs` in no family gets a row saying so.
+A generation family may name `system_overlap`, its baseline under a system-level overlap schedule
+(`llama+token_split`, parallel/overlap.py): predicted once more, and each architecture's tokens/s set over it as well
+(`vs_overlap_b<batch>`), so the report's line says whether a speed-up survives against the baseline that overlaps
+too. An architecture of `archs` in no family gets a row saying so.
 """
 
 import time
@@ -59,6 +62,17 @@ def predict_all(cfg: DictConfig, run_dir: Path) -> dict:
         for arch in results:  # the baseline's own row too: 1 by definition, and the seconds it took
             if arch in cfg.archs:
                 rows[arch] = generation_row(arch, baseline, results[arch], results[baseline])
+        overlapped = fam.get("system_overlap")
+        if overlapped:
+            print(f"[tour] predicting {overlapped} at {spec.shape} ({family})", flush=True)
+            results[overlapped] = run_bench_overrides(alone(overrides, overlapped), run_dir / "predict" / overlapped)
+            commands[f"{family}, system overlap"] = results[overlapped]["command"]
+            own = _simulated(results[overlapped])
+            for arch in results:
+                if arch in rows:
+                    rows[arch]["overlap_baseline"] = overlapped
+                    rows[arch].update({f"vs_overlap_b{b}": r["total_tok_s"] / own[b]["total_tok_s"]
+                                       for b, r in _simulated(results[arch]).items() if b in own})  # fmt: skip
     out = []
     for arch in cfg.archs:
         out.append(rows.get(arch) or {"arch": arch, "against": None,

@@ -84,6 +84,23 @@ def glance_rows(cfg: DictConfig, q_rows: list[dict], predicted: dict) -> list[di
     return out
 
 
+def overlap_lines(predicted: dict | None) -> list[str]:
+    """One line per family predicted against its baseline under a system-level overlap schedule as well: each
+    architecture's tokens/s over that baseline's, at the largest batch the schedule has a row for."""
+    lines = []
+    rows = [r for r in (predicted or {}).get("rows", []) if r.get("overlap_baseline")]
+    for baseline in dict.fromkeys(r["overlap_baseline"] for r in rows):
+        mine = [r for r in rows if r["overlap_baseline"] == baseline]
+        batches = sorted({int(k.removeprefix("vs_overlap_b")) for r in mine for k in r if k.startswith("vs_overlap_b")})
+        if not batches:
+            continue
+        b = batches[-1]
+        shown = ", ".join(f"`{r['arch']}` {r[f'vs_overlap_b{b}']:.2f}x" for r in mine if f"vs_overlap_b{b}" in r)
+        lines += [f"**Against `{baseline}`** (the baseline with system-level overlap: the batch split in two halves "
+                  f"that take turns; predicted as above, batch {b}): {shown}.", ""]  # fmt: skip
+    return lines
+
+
 def glance_lines(cfg: DictConfig, g_rows: list[dict], predicted: dict | None) -> list[str]:
     """The report's first section: the table and what its columns are."""
     lines = ["## At a glance: quality, and predicted speed at a real shape", ""]
@@ -106,6 +123,7 @@ def glance_lines(cfg: DictConfig, g_rows: list[dict], predicted: dict | None) ->
             "",
         ]
     lines += [report.write_markdown_table(g_rows, list(g_rows[0])), ""]
+    lines += overlap_lines(predicted)
     if predicted:
         lines += ["The predictions' commands (`python -m eval.bench`, one run per architecture):", ""]
         lines += [f"- {family}: `{command}`" for family, command in predicted["commands"].items()]

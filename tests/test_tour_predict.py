@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from eval.tour_predict import predict_all
-from eval.tour_report import cpu_plots, glance_rows, noise_marked
+from eval.tour_report import cpu_plots, glance_rows, noise_marked, overlap_lines
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 TINY = ["compute=h100-sxm", "bench_shape=tiny", "prompt_len=16", "new_tokens=4", "batch_sizes=[1,16]",
@@ -41,7 +41,14 @@ def test_prediction_step_gives_a_row_per_arch(tmp_path):
     hybrid = rows["linear_hybrid"]  # LLLN by LASP-2 / LASP-2H over LASP-1 / ring attention, a training step
     assert hybrid["against"] == "LASP-1 / ring attention" and hybrid["at"] == "sp=4, nvlink-h100"
     assert hybrid["speedup_b1"] > 0 and "speedup_b16" not in hybrid and "LLLN" in hybrid["what"]
-    assert set(predicted["commands"]) == {"tensor_parallel", "sequence_parallel (linear_hybrid)"}
+    assert set(predicted["commands"]) == {"tensor_parallel", "tensor_parallel, system overlap",
+                                          "sequence_parallel (linear_hybrid)"}  # fmt: skip
+    # against the baseline under token_split too (no row at batch 1: nothing to split)
+    assert rows["ladder"]["overlap_baseline"] == "llama+token_split" and "vs_overlap_b1" not in rows["ladder"]
+    assert rows["ladder"]["vs_overlap_b16"] > 0 and rows["llama"]["vs_overlap_b16"] > 0
+    (line,) = [x for x in overlap_lines(predicted) if x]
+    assert line.startswith("**Against `llama+token_split`**") and "batch 16" in line
+    assert f"`ladder` {rows['ladder']['vs_overlap_b16']:.2f}x" in line
 
     quality = [{"model": "llama", "val loss": 5.0, "val ppl": 148.4}, {"model": "ladder", "val loss": 4.9, "val ppl": 134.3}]
     glance = {r["arch"]: r for r in glance_rows(cfg, quality, predicted)}
