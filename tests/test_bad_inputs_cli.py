@@ -1,4 +1,4 @@
-"""Bad inputs at the command line (issue 31): every Hydra entry point says a bad input in ONE `Error:` line
+"""Bad inputs at the command line: every Hydra entry point says a bad input in ONE `Error:` line
 naming the value and what would fit, exits 1 (README, "Runs, resume and exit codes"), prints neither Hydra's
 "Error executing job with overrides" line nor a traceback, and changes nothing on disk; and one "output
 directory already holds results" rule for every command that writes a report or a model.

@@ -1,4 +1,4 @@
-"""Bad inputs and silent results of the evaluation side (issue 21): each case is one that used to pass
+"""Bad inputs and silent results of the evaluation side: each case is one that used to pass
 without a word, and the message, file or figure it must now give.
 
 - a checkpoint with a NaN weight: refused by eval.quality (and the "zoo" lm-eval model) naming the tensor,

@@ -1,4 +1,4 @@
-"""Issue 31's model-side cases (a new user's sweep of bad inputs), each now clear, refused or as documented:
+"""Model-side bad inputs (a new user's sweep), each now clear, refused or as documented:
 
 - A Ladder model with the config's defaults is laddered: `ladder_layers` defaults to every layer (the paper's
   Ladder Transformer), resolved to `num_hidden_layers` so config.json states it; explicit values (0 = Llama

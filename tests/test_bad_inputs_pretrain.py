@@ -1,4 +1,4 @@
-"""Bad inputs to `train.pretrain` that a new user's sweep hit (issue 31): overwrite under resume=auto, resume= of
+"""Bad inputs to `train.pretrain` that a new user's sweep hit: overwrite under resume=auto, resume= of
 an HF model, a full disk during a checkpoint; each refused in one `Error:` line naming the value, with a non-zero exit
 and nothing on disk changed unasked, or done as the README promises (tests/test_bad_inputs_train.py: the others)."""
 

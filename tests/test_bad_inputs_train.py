@@ -1,4 +1,4 @@
-"""Bad inputs and misuses of a training run (`train.pretrain`): nothing lost, nothing silent (issue 21).
+"""Bad inputs and misuses of a training run (`train.pretrain`): nothing lost, nothing silent.
 
 Each case asserts the message a user now gets, or the data that is now preserved:
 

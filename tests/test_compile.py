@@ -1,4 +1,4 @@
-"""Tensor parallelism under torch.compile (issue 18): every collective of parallel.comm (all-reduce, all-gather,
+"""Tensor parallelism under torch.compile: every collective of parallel.comm (all-reduce, all-gather,
 reduce-scatter, the ring shift, the all-to-all) is functional inside a compiled region, forward and backward
 (4 gloo ranks, compiled fullgraph == eager with gradients); in real mode inside a compiled region `parallel.comm`'s
 all-reduce is a functional collective waited with `wait_tensor` where forward() waits it, so a whole TP
@@ -31,7 +31,7 @@ from tests.distributed import run_ranks
 
 ATOL = 1e-6
 # The MoE family's tp layouts (attention) are left out: its dropless dispatch sizes the all-to-all from counts
-# read off the device, which no graph can hold (issue 18, item 3: a dispatch with host-known sizes).
+# read off the device, which no graph can hold (a dispatch with host-known sizes).
 NAMES = sorted(models.ZOO) + models.variants()  # the ladder variants through their registry entries
 TP_ARCHS = [name for name in NAMES if "tp" in models.get(name).degrees and "ep" not in models.get(name).degrees]
 

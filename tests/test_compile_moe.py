@@ -1,4 +1,4 @@
-"""The MoE family under torch.compile (issue 18, item 3): with the padded dispatch (models/common/moe.py
+"""The MoE family under torch.compile: with the padded dispatch (models/common/moe.py
 `dispatch_padded`) every all-to-all size is known on the host, and in real mode inside a compiled region
 `parallel.comm`'s equal-split all-to-all is a functional collective (`funcol.all_to_all_single`) waited with
 `wait_tensor` where forward() waits it, so a whole MoE forward and backward compile with `fullgraph=True`.

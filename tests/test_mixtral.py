@@ -297,7 +297,7 @@ def test_converted_mixtral_trains_with_mixtrals_balance_loss(mixtral):
     with torch.no_grad():
         reference = hf(IDS, attention_mask=mask, output_router_logits=True).aux_loss
     coef = hf.config.router_aux_loss_coef
-    # transformers scores the router in fp32; the zoo in max(fp32, the model's dtype): float64 here (issue 22)
+    # transformers scores the router in fp32; the zoo in max(fp32, the model's dtype): float64 here
     loss = out.aux_losses["load_balance"].detach()
     torch.testing.assert_close(loss, coef * reference.to(loss.dtype), rtol=1e-5, atol=0)
     # the padding matters: without the mask the loss is another number

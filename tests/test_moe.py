@@ -229,7 +229,7 @@ def test_steps_run_in_order_once():
 
 
 def test_capacity_formula():
-    # top_k * ceil(cf * T / E) (specs/moe.md)
+    # top_k * ceil(cf * T / E) (Switch Transformer's capacity, k per token)
     assert capacity(100, 8, 2, 1.0) == 2 * 13
     assert capacity(1, 8, 2, 1.25) == 2
     with pytest.raises(ValueError, match="capacity_factor=0 must be > 0"):

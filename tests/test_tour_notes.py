@@ -1,4 +1,4 @@
-"""The tour's quality section: MoE++ pretrained at the paper's expert ratio (issue 22), and the one-seed note
+"""The tour's quality section: MoE++ pretrained at the paper's expert ratio, and the one-seed note
 quoting eval.replicate's measured spread (or, without that report, naming the command that measures it); the
 MoE++ expert mix the text quotes is read from the trained configs, not written by hand."""
 

@@ -32,7 +32,7 @@ def all_to_all_columns(
       to the all-to-all, its own chunk included; the count exchange is counted apart);
     - `{phase}_a2a_formula_bytes`: the same from the architecture's declared collectives_per_forward, which
       is the spec's dropless T_local * k * h * bytes (MoE++: k_eff at the balanced load, not an integer);
-      `{phase}_a2a_link_bytes_formula` = that * (P-1)/P, the part that leaves the rank (specs/moe.md);
+      `{phase}_a2a_link_bytes_formula` = that * (P-1)/P, the part that leaves the rank;
       `{phase}_a2a_rows_per_token` and `..._formula`: the same two as rows (experts) per token, k;
     - simulated rows: `{phase}_a2a_link_ms_per_layer` (the link model's time of the layer's two token
       all-to-alls), `{phase}_a2a_exposed_ms_per_layer` (the part of it the rank waited for, from the

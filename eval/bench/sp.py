@@ -266,7 +266,7 @@ def sp_link_bytes(counts: dict, p: int) -> int:
 
 
 def sp_formula_bytes(config, method: str, phase: str, n: int, p: int, batch: int, dtype: torch.dtype) -> int:
-    """The spec's bytes per layer per rank (specs/linear.md, "Communication per layer per rank"), that cross the
+    """The spec's bytes per layer per rank (LASP-2's and ring attention's volumes per layer per rank), that cross the
     link in one forward (`fwd`) or backward (`bwd`); states and accumulators are fp32 (fp64 stays fp64), K and
     V in the model dtype:
 
@@ -339,7 +339,7 @@ def sp_bytes_rows(sp: SPSettings, dtype: torch.dtype) -> list[dict]:
 
 
 def sequence_parallel(sp: SPSettings, device: torch.device, dtype: torch.dtype) -> dict:
-    """The long-sequence rows of the linear model's sequence parallelism (specs/linear.md): per method of
+    """The long-sequence rows of the linear model's sequence parallelism (docs/architectures.md): per method of
     `sequence_parallel.methods` (LASP-2 and LASP-1 on a linear layer, LASP-2H and ring attention on a softmax
     layer), one process plays one rank of a P-way fake process group in simulated mode.
 

@@ -69,7 +69,7 @@ SP_BYTES_NOTE = (
     "Bytes per layer per rank that cross the link (what the rank receives; it sends as much), from "
     "`comm.counters` over one forward + backward on the meta device (the real code path without values): an "
     "all-gather's or reduce-scatter's counter holds the whole gathered tensor, of which (P-1)/P crosses; a ring "
-    "shift's holds what is sent. **formula**: the spec's (specs/linear.md): LASP-2 (P-1) B H d_k d_v per "
+    "shift's holds what is sent. **formula**: LASP-2's and ring attention's per-layer volumes: LASP-2 (P-1) B H d_k d_v per "
     "all-gather (one forward, one backward; fp32 states); LASP-1 P-1 hops of one rank's B H d_k d_v states each "
     "way; ring attention (P-1) B (N/P) 2 H_kv d_h forward, backward those shifts again plus P hops of each K/V "
     "block's gradient accumulator (fp32); LASP-2H the same (P-1) B (N/P) 2 H_kv d_h in one all-gather of K and "
@@ -298,7 +298,7 @@ def sp_plots(results: dict, out_dir: Path) -> dict[str, Path]:
             panels.append((f"P={p}", series))
         images["sp_bytes"] = report.plot_panels(
             out_dir / "sp_bytes.png", panels, xlabel="sequence length N", ylabel="bytes per layer per rank (fwd + bwd)",
-            logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the spec's formula (dotted, in its method's colour)",
+            logy=True, ncols=len(panels), title="communication per layer: counted (markers) and the published formula (dotted, in its method's colour)",
         )  # fmt: skip
     timed = sp["timed"]
     setting = (results.get("compute") or {}).get("setting", "measured")

@@ -45,7 +45,7 @@ from parallel.link import get_link
 # NCCL_P2P_DISABLE=1 (the paper's table; not in these logs).
 REFERENCE = json.loads((Path(__file__).with_name("ladder_reference.json")).read_text())
 PUBLISHED_70B_SOURCE = (
-    "Zhang, Mishra et al., Ladder-residual (2025), 70B speed table (../shared/specs/ladder.md); tokens/s and prefill "
+    "Zhang, Mishra et al., Ladder-residual (2025), 70B speed table; tokens/s and prefill "
     f"latencies from the reference's logs: {REFERENCE['source'].split(' ')[0]} at commit {REFERENCE['commit']}, "
     f"{REFERENCE['folder']}<folder>/bs_<B>_tp_<P>.log (eval/simulator/ladder_reference.json)"
 )

@@ -1,7 +1,7 @@
 """Mixture-of-experts layer shared by `moe`, `scmoe` and `moepp`: the block that composes router, experts and
 dispatch, and the choice of its dispatch.
 
-One implementation for the three architectures (specs/moe.md); torchtitan's MoE was read for the facts. Its
+One implementation for the three architectures (moe, scmoe, moepp); torchtitan's MoE was read for the facts. Its
 parts, one module each (every name below is importable from here too):
 
 - models/common/moe_routing.py: `TopKRouter`, the `Routing` it returns, `routing_dtype`, the balance losses

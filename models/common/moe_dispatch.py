@@ -18,7 +18,7 @@ and "padded" (`dispatch_padded`, every size known on the host).
   Dropless by default. With `capacity=C` each rank sends at most C assignments to each expert (the first
   C in assignment order, i.e. earlier tokens first; the rest are dropped: the token keeps its other
   experts' output and its residual). C comes from `capacity(num_tokens, num_experts, top_k,
-  capacity_factor)` = top_k * ceil(capacity_factor * num_tokens / num_experts) (specs/moe.md) with the
+  capacity_factor)` = top_k * ceil(capacity_factor * num_tokens / num_experts) (Switch Transformer's capacity, k per token) with the
   rank's own token count: every rank feeding the same batch shape gets the same C. Counts are exchanged
   before every all-to-all, so no choice of C can hang one; C bounds each expert's rows (at most P * C).
 - `dispatch_padded(x [T, d], assignments, experts, ep_group=None, capacity=None, valid=None) -> PaddedDispatch`
@@ -61,7 +61,7 @@ MOE_DISPATCHES = ("dropless", "padded")
 
 def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Assignments each rank may send to one expert: top_k * ceil(capacity_factor * num_tokens / num_experts)
-    (specs/moe.md). From the rank's token count, which is the same on every rank fed the same batch shape."""
+    (Switch Transformer's capacity, k per token). From the rank's token count, which is the same on every rank fed the same batch shape."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (None: dropless).")
     return top_k * math.ceil(capacity_factor * num_tokens / num_experts)

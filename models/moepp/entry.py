@@ -17,7 +17,7 @@ def bench_config(shape: dict, degrees: dict[str, int], **overrides) -> ZooMoeppC
 
 def k_eff(config) -> float:
     """FFN experts per token, the rows each token sends through the all-to-all, at the load the heterogeneous
-    balance loss aims for (each FFN expert taking tau times a zero-computation expert's share; specs/moe.md):
+    balance loss aims for (each FFN expert taking tau times a zero-computation expert's share, MoE++'s heterogeneous balance loss):
     k tau N_FFN / (tau N_FFN + N_ZC). 2 * 0.75 * 16 / (0.75 * 16 + 4) = 1.5 at 16 + 4 experts."""
     tau, ffn = config.tau, config.num_local_experts
     return config.num_experts_per_tok * tau * ffn / (tau * ffn + config.num_zc_experts)
