@@ -163,8 +163,16 @@ def test_transformers_4_llama_config_json_loads(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "conf" / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_conf_model_builds(path):
+    # Each conf/model file builds its architecture's config, and every field it sets is the config's value (a field
+    # renamed or dropped on the way would be silently ignored otherwise).
     spec = yaml.safe_load(path.read_text())
-    models.build_config(spec["name"], **(spec.get("config") or {}))
+    fields = spec.get("config") or {}
+    config = models.build_config(spec["name"], **fields)
+    assert type(config) is models.get(spec["name"]).config_class
+    for key, value in fields.items():
+        # transformers keeps rope_theta in rope_parameters
+        held = config.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(config, key)
+        assert (list(held) if isinstance(held, tuple) else held) == value, (path.name, key, held, value)
 
 
 @pytest.mark.parametrize("name", sorted(models.ZOO))
