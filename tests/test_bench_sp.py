@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from eval.bench import check_settings
-from eval.bench.sp import sp_config, sp_formula_bytes
+from eval.bench.sp import sp_formula_bytes
+from eval.simulator.sp_methods import sp_config
 from parallel.link import LINK_PRESETS, ClockRecorder, VirtualClock
 from tests.benchkit import ARCHS, ROOT, bench_settings, run_here, run_predicted
 

@@ -5,7 +5,8 @@
   conf/, every `converter=` a registered converter, every `compute=` a device preset, every link preset a link;
 - every relative link names a file that exists, and a `#anchor` into a Markdown page a heading it has;
 - every table of results equals what eval.doc_tables writes from the committed reports (no number copied by hand);
-- the README stays a page a newcomer reads in minutes.
+- the README stays a page a newcomer reads in minutes;
+- no tracked file points outside the repository (an issue number, the planning files).
 """
 
 import importlib.util
@@ -131,3 +132,25 @@ def test_readme_gives_the_two_commands():
     text = (ROOT / "README.md").read_text()
     head = "\n".join(text.splitlines()[:40])
     assert "make demo" in head and "make test" in head
+
+
+# A pointer out of the repository (the project's planning files, its issue tracker) that a reader of a clone cannot
+# follow. "issue" as a verb ("issue 2L all-reduces") is not an issue number.
+OUTSIDE = re.compile(r"\.\./shared|\bDESIGN\.md|\bSTYLE\.md|\bspecs/\w+\.md|(?<![\w-])[Ii]ssue #?\d+\b")
+
+
+def test_no_file_points_outside_the_repository():
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = ROOT / name
+        if name == "tests/test_docs.py" or path.suffix not in {".py", ".md", ".yaml", ".json", ".toml", ".txt", ""}:
+            continue
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                found.append(f"{name}:{number}: {OUTSIDE.search(line).group(0)}")
+    assert not found, "files that point outside the repository:\n" + "\n".join(found)

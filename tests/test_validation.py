@@ -85,8 +85,8 @@ def test_quick_report_twice_identical(tmp_path):
 def test_training_recordings_play_the_rank_asked_and_wait_every_collective():
     # heldout.record_training_at: ring attention's last rank attends to every block (rank 0 to its own), and each
     # wait of the replay refers to its own collective (the gradient all-reduce after the backward included).
-    from eval.bench.sp import sp_config
     from eval.simulator.heldout import lasp2
+    from eval.simulator.sp_methods import sp_config
     from eval.simulator.training import TrainLayout
 
     shape = {**lasp2.QUICK["shape"], "num_hidden_layers": 1}

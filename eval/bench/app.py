@@ -24,7 +24,6 @@ from eval.bench.machine import hardware_info
 from eval.bench.moe import check_expert_throughput, expert_throughput
 from eval.bench.settings import SIMULATED_DTYPE, BenchSettings, read_settings
 from eval.bench.sp import (
-    SP_ALGORITHMS,
     SP_DEVICE_KERNELS,
     check_sequence_parallel,
     sequence_parallel,
@@ -32,6 +31,7 @@ from eval.bench.sp import (
 )
 from eval.bench.sp_report import add_sp_comparisons
 from eval.bench.training import check_training, training_rows
+from eval.simulator.sp_methods import SP_ALGORITHMS
 from parallel.link import LINK_PRESETS
 
 

@@ -33,9 +33,9 @@ repository's (softmax layers, K/V blocks shifted around the ring, each block's s
 import dataclasses
 import math
 
-from eval.bench.sp import sp_config
 from eval.simulator.device import DeviceModel
 from eval.simulator.heldout import device_model, record_training_at, train_step
+from eval.simulator.sp_methods import sp_config
 from eval.simulator.training import TrainLayout
 from parallel.link import LINK_PRESETS, HierarchicalLink, collective_time
 
@@ -82,7 +82,7 @@ DGX_A100_IB = HierarchicalLink(
     note="DGX A100 nodes of 8: NVLink 3 via NVSwitch inside, one 200 Gb/s HDR InfiniBand NIC per GPU between",
 )
 METHODS = ("lasp2", "lasp1", "ring")
-NAMES = {"lasp2": "LASP-2", "lasp1": "LASP-1", "ring": "ring attention"}  # eval.bench.sp.SP_ALGORITHMS: linear layer by LASP-2 / LASP-1, softmax by ring
+NAMES = {"lasp2": "LASP-2", "lasp1": "LASP-1", "ring": "ring attention"}  # eval.simulator.sp_methods.SP_ALGORITHMS: linear layer by LASP-2 / LASP-1, softmax by ring
 
 QUICK = {
     "shape": {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -93,7 +93,7 @@ QUICK = {
 
 
 def _cfg(shape: dict, layers: int) -> dict:
-    """The bench config eval.bench.sp's helpers read: the shape (with `layers` decoder layers), no overrides."""
+    """The settings eval.simulator.sp_methods.sp_config reads: the shape (with `layers` decoder layers), no overrides."""
     return {"bench_shape": {**shape, "num_hidden_layers": layers}, "sequence_parallel": {"overrides": {}}, "seed": 0}
 
 
@@ -107,7 +107,7 @@ def _setting(quick: bool) -> dict:
 
 
 def record(shape: dict, method: str, n: int, p: int, fsdp: bool = False):
-    """One training step of the whole model, `method` as the zoo runs it (eval.bench.sp.SP_ALGORITHMS: linear
+    """One training step of the whole model, `method` as the zoo runs it (eval.simulator.sp_methods.SP_ALGORITHMS: linear
     layers by LASP-2 / LASP-1, softmax layers by ring attention), recorded as rank P-1 of the P-way sp mesh."""
     config = sp_config(_cfg(shape, shape["num_hidden_layers"]), method, p)
     layout = TrainLayout(sp=p, fsdp=fsdp, micro_batch=BATCH, seq_len=n)
