@@ -8,8 +8,13 @@ the unchanged model after its shard layout:
   flight while the other half computes (TokenWeave's and Domino's batch split), and in an MoE layer one half's
   expert-parallel dispatch / combine all-to-all while the other half's experts run (DeepSeek's and SGLang's
   two-batch overlap). The waits are written in the layers that take it (the standard block's
-  `models.common.PreNormDecoderLayer.token_split_forward`, the parallel block's, `models.moe`'s MoE layer). It needs a batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
+  `models.common.PreNormDecoderLayer.split_forward`, the parallel block's, `models.moe`'s MoE layer). It needs a
+  batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
   (`models.common.cache.BatchSplit`).
+- `seq_split`: the sequence split in two chunks that take turns in the same way (ISO's sequence-level overlap, for
+  a prefill of one sequence): the second chunk's causal attention reads the first chunk's keys and values of the
+  same layer, which are ready before it runs. Every forward of two tokens or more is split (prefill, training); a
+  decode step's single token runs as `none`, having nothing to split.
 
 The benches and the simulator name an architecture under a schedule `<arch>+<schedule>` (`llama+token_split`,
 `models.schedule_of`).
@@ -22,9 +27,9 @@ logits, loss, gradients and cached decode against the unsplit model (fp64) and u
 
 from torch import nn
 
-SCHEDULES = ("none", "token_split")
-# The fewest sequences a forward needs for the schedule to mean something (a split needs two halves).
-MIN_BATCH = {"none": 1, "token_split": 2}
+SCHEDULES = ("none", "token_split", "seq_split")
+# The fewest sequences a forward needs for the schedule to mean something (a batch split needs two halves).
+MIN_BATCH = {"none": 1, "token_split": 2, "seq_split": 1}
 
 
 def check_overlap(model_class: type, schedule: str, residual: str = "standard") -> None:

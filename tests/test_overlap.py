@@ -1,8 +1,9 @@
-"""System-level overlap schedules (parallel/overlap.py) compute what the unsplit model computes: token_split gives
-the same logits, loss and gradients in one process (fp64, 1e-10), the same prefill and cached decode on static and
-growing caches, and under TP 2 the same as the unsharded model (gloo, fp32, 1e-5); its waits sit where the schedule
-says (the simulated link's record); architectures that do not take it and a batch of one are refused with the
-reason."""
+"""System-level overlap schedules (parallel/overlap.py) compute what the unsplit model computes: token_split (the
+batch's halves) and seq_split (the sequence's chunks) give the same logits, loss and gradients in one process (fp64,
+1e-10), the same prefill and cached decode on static and growing caches (with padding), under TP 2 the same as the
+unsharded model (gloo, fp32, 1e-5) and under EP 2 the unsplit MoE (fp64); their waits sit where the schedule says
+(the simulated link's record); architectures that do not take them and a batch of one under token_split are refused
+with the reason."""
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from tests.distributed import run_ranks
 TINY = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
-SPLIT_ARCHS = ["llama", "moe", "parallel"]  # the architectures that take token_split (their `overlap_schedules`)
+SPLIT_ARCHS = ["llama", "moe", "parallel"]  # the architectures that take both splits (their `overlap_schedules`)
+SPLITS = ["token_split", "seq_split"]
 
 
 def _llama(dtype=torch.float64, seed=0, arch="llama"):
@@ -30,17 +32,21 @@ def _loss_and_grads(model, ids):
     return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_the_architectures_that_take_it_are_listed():
-    assert [a for a in sorted(models.ZOO) if "token_split" in getattr(models.get(a).model_class, "overlap_schedules", ())] == SPLIT_ARCHS
+@pytest.mark.parametrize("schedule", SPLITS)
+def test_the_architectures_that_take_it_are_listed(schedule):
+    takes = [a for a in sorted(models.ZOO) if schedule in getattr(models.get(a).model_class, "overlap_schedules", ())]
+    assert takes == SPLIT_ARCHS
 
 
 @pytest.mark.parametrize("arch", SPLIT_ARCHS)
-@pytest.mark.parametrize("batch", [2, 3, 4])
-def test_token_split_is_the_unsplit_model_in_fp64(batch, arch):
-    ids = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize(("schedule", "batch", "length"),
+                         [("token_split", 2, 10), ("token_split", 3, 10), ("token_split", 4, 10),
+                          ("seq_split", 1, 10), ("seq_split", 2, 9), ("seq_split", 3, 2)])  # fmt: skip
+def test_a_split_is_the_unsplit_model_in_fp64(schedule, batch, length, arch):
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
     plain, split = _llama(arch=arch), _llama(arch=arch)
-    parallel.set_overlap(split, "token_split")
-    assert all(layer.overlap == "token_split" for layer in split.model.layers)
+    parallel.set_overlap(split, schedule)
+    assert all(layer.overlap == schedule for layer in split.model.layers)
     ref_logits, ref_loss, ref_grads = _loss_and_grads(plain, ids)
     logits, loss, grads = _loss_and_grads(split, ids)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-10)
@@ -53,29 +59,34 @@ def test_token_split_is_the_unsplit_model_in_fp64(batch, arch):
 
 @pytest.mark.parametrize("arch", SPLIT_ARCHS)
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("batch", [2, 3])
-def test_token_split_prefill_and_cached_decode_are_the_full_forward(batch, static, arch):
-    # Each half writes and reads its own rows of the cache (models.common.cache.BatchSplit); the fill counter of a
-    # static cache advances once per forward.
+@pytest.mark.parametrize(("schedule", "batch"), [("token_split", 2), ("token_split", 3), ("seq_split", 1), ("seq_split", 3)])
+def test_a_split_prefill_and_cached_decode_are_the_full_forward(schedule, batch, static, arch):
+    # token_split: each half writes and reads its own rows of the cache (models.common.cache.BatchSplit); the fill
+    # counter of a static cache advances once per forward. seq_split: the chunks write the cache one after the
+    # other, the second prefill (3 tokens after 5 cached) split too, the decode steps unsplit. The first sequence
+    # is left-padded (two tokens masked out), so each chunk's mask is its own rows and keys of the layer's.
     ids = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
     plain, split = _llama(arch=arch), _llama(arch=arch)
-    parallel.set_overlap(split, "token_split")
+    parallel.set_overlap(split, schedule)
     with torch.no_grad():
-        full = plain(ids, use_cache=False).logits
+        full = plain(ids, attention_mask=mask, use_cache=False).logits
         cache = split.model.make_cache(batch_size=batch, max_cache_len=16, static=static)
-        step = split(ids[:, :6], cache=cache, use_cache=True)
-        pieces = [step.logits]
-        for t in range(6, ids.shape[1]):
-            step = split(ids[:, t : t + 1], cache=step.cache, use_cache=True)
+        pieces, step = [], None
+        for start, end in [(0, 5), (5, 8), (8, 9), (9, 10)]:
+            step = split(ids[:, start:end], attention_mask=mask[:, :end], cache=cache if step is None else step.cache,
+                         use_cache=True)  # fmt: skip
             pieces.append(step.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-10)
     assert int(step.cache.get_seq_length()) == ids.shape[1]
 
 
-def _tp2_token_split(rank, world_size):
+def _tp2_splits(rank, world_size):
     mesh = parallel.init_mesh(tp=world_size)
-    for arch in SPLIT_ARCHS:
-        _tp2_one(rank, world_size, mesh, arch)
+    for schedule in SPLITS:
+        for arch in SPLIT_ARCHS:
+            _tp2_one(rank, world_size, mesh, arch, schedule)
 
 
 def _all_reduces(model, ids) -> int:
@@ -84,11 +95,11 @@ def _all_reduces(model, ids) -> int:
     return comm.snapshot_counters()["all_reduce"]["calls"] - calls
 
 
-def _tp2_one(rank, world_size, mesh, arch):
+def _tp2_one(rank, world_size, mesh, arch, schedule):
     ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
     reference, sharded = _llama(torch.float32, arch=arch), _llama(torch.float32, arch=arch)
     parallel.parallelize(sharded, mesh)
-    parallel.set_overlap(sharded, "token_split")
+    parallel.set_overlap(sharded, schedule)
     ref_logits, ref_loss, ref_grads = _loss_and_grads(reference, ids)
     calls = comm.snapshot_counters().get("all_reduce", {}).get("calls", 0)
     logits, loss, grads = _loss_and_grads(sharded, ids)
@@ -103,7 +114,7 @@ def _tp2_one(rank, world_size, mesh, arch):
         torch.testing.assert_close(grad, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     # Every all-reduce of the unsplit model, forward and backward, once per half.
     unsplit = parallel.parallelize(_llama(torch.float32, arch=arch), mesh)
-    assert issued == 2 * _all_reduces(unsplit, ids), arch
+    assert issued == 2 * _all_reduces(unsplit, ids), (arch, schedule)
     with torch.no_grad():  # prefill + cached decode on the static cache, split, against the unsharded full forward
         full = reference(ids, use_cache=False).logits
         step = sharded(ids[:, :7], cache=sharded.model.make_cache(4, 16, static=True), use_cache=True)
@@ -111,20 +122,21 @@ def _tp2_one(rank, world_size, mesh, arch):
         for t in range(7, ids.shape[1]):
             step = sharded(ids[:, t : t + 1], cache=step.cache, use_cache=True)
             pieces.append(step.logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5, msg=f"{arch}, {schedule}")
 
 
-def test_token_split_under_tp2_is_the_unsharded_model():
-    run_ranks(_tp2_token_split, 2)
+def test_splits_under_tp2_are_the_unsharded_model():
+    run_ranks(_tp2_splits, 2)
 
 
-def test_each_half_waits_after_the_other_halfs_sub_block():
+@pytest.mark.parametrize("schedule", SPLITS)
+def test_each_half_waits_after_the_other_halfs_sub_block(schedule):
     # The simulated link's record of one layer's forward: issue, issue, wait, issue, wait, issue, wait, wait.
     from eval.simulator.training import TrainLayout, record_training
 
     config = models.get("llama").tiny_at({"tp": 2}, **TINY, num_hidden_layers=1)
     plain = record_training("llama", config, TrainLayout(tp=2, micro_batch=2, seq_len=8), model_flops=False)
-    split = record_training("llama", config, TrainLayout(tp=2, micro_batch=2, seq_len=8, overlap="token_split"),
+    split = record_training("llama", config, TrainLayout(tp=2, micro_batch=2, seq_len=8, overlap=schedule),
                             model_flops=False)  # fmt: skip
 
     def calls(run, n):  # the first n issues and waits: the one layer's forward
@@ -135,14 +147,15 @@ def test_each_half_waits_after_the_other_halfs_sub_block():
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split'\]"):
+    with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split', 'seq_split'\]"):
         parallel.check_overlap(models.get("llama").model_class, "tokensplit")
-    for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)):
-        with pytest.raises(ValueError, match=r"does not take overlap='token_split': it takes \['none'\]"):
-            parallel.check_overlap(models.get(name).model_class, "token_split")
-    for name in models.variants():  # the ladder residual schedule runs the sub-blocks itself
-        with pytest.raises(ValueError, match=r"(is not built for residual='ladder'|does not take overlap='token_split')"):
-            models.get(f"{name}+token_split")
+    for schedule in SPLITS:
+        for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)):
+            with pytest.raises(ValueError, match=rf"does not take overlap='{schedule}': it takes \['none'\]"):
+                parallel.check_overlap(models.get(name).model_class, schedule)
+        for name in models.variants():  # the ladder residual schedule runs the sub-blocks itself
+            with pytest.raises(ValueError, match=rf"(is not built for residual='ladder'|does not take overlap='{schedule}')"):
+                models.get(f"{name}+{schedule}")
     parallel.check_overlap(models.get("scmoe").model_class, "none")
     ladder = models.get("moe_ladder")
     with pytest.raises(ValueError, match=r"overlap='token_split' is not built for residual='ladder'"):
@@ -163,11 +176,12 @@ def test_the_trainer_refuses_a_schedule_before_building_anything():
         CausalLMModule("moe_ladder", {}, 256, {"lr": 1e-3}, parallel={"overlap": "token_split"})
 
 
+@pytest.mark.parametrize("schedule", SPLITS)
 @pytest.mark.parametrize("fields", [{"capacity_factor": 1.0}, {"moe_dispatch": "padded", "dispatch_capacity_factor": 1.5}])
-def test_a_split_moe_with_a_capacity_is_refused(fields):
+def test_a_split_moe_with_a_capacity_is_refused(fields, schedule):
     # A capacity is computed from the tokens of one forward: halves would drop other assignments than the batch.
-    model = parallel.set_overlap(models.get("moe").model_class(models.get("moe").tiny(**fields)), "token_split")
-    with pytest.raises(ValueError, match=r"overlap=token_split splits the batch, and this MoE block's capacity"):
+    model = parallel.set_overlap(models.get("moe").model_class(models.get("moe").tiny(**fields)), schedule)
+    with pytest.raises(ValueError, match=rf"overlap={schedule} splits the forward in two halves, and this MoE block's capacity"):
         model(torch.randint(0, 256, (2, 6)), use_cache=False)
 
 
@@ -177,13 +191,13 @@ def _ep2_moe(rank, world_size):
     mesh = parallel.init_mesh(ep=world_size)
     ids = torch.randint(0, 256, (4 * world_size, 10), generator=torch.Generator().manual_seed(5))
     mine = ids.chunk(world_size)[rank]
-    for style in ("zoo", "hf"):
+    for style, schedule in [("zoo", "token_split"), ("hf", "token_split"), ("zoo", "seq_split"), ("hf", "seq_split")]:
         torch.manual_seed(0)
         config = models.get("moe").tiny_at({"ep": world_size}, **TINY, router_aux_loss_style=style)
         plain = parallel.parallelize(models.get("moe").model_class(config).to(torch.float64), mesh)
         torch.manual_seed(0)
         split = parallel.parallelize(models.get("moe").model_class(config).to(torch.float64), mesh)
-        parallel.set_overlap(split, "token_split")
+        parallel.set_overlap(split, schedule)
         ref_logits, ref_loss, ref_grads = _loss_and_grads(plain.train(), mine)
         logits, loss, grads = _loss_and_grads(split.train(), mine)
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-10)
@@ -192,7 +206,7 @@ def _ep2_moe(rank, world_size):
             torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_token_split_of_the_moe_all_to_alls_under_ep2_is_the_unsplit_model():
+def test_splits_of_the_moe_all_to_alls_under_ep2_are_the_unsplit_model():
     run_ranks(_ep2_moe, 2)
 
 
@@ -222,7 +236,9 @@ def _compiled_ranks(rank, world_size):
     assert len(graphs["decode"].graphs) == 1 and not dynamo.utils.counters["graph_break"]
     assert counts["all_reduce"]["calls"] == 8 * 4 * model.config.num_hidden_layers  # 8 steps, two halves x two sub-blocks
     compiled_training_step_equals_eager(model.train(), torch.cat([ids, ids.flip(0)]), "aot_eager", "token_split")
+    parallel.set_overlap(model, "seq_split").zero_grad(set_to_none=True)  # the sequence's chunks: compiled == eager
+    compiled_training_step_equals_eager(model, ids, "aot_eager", "seq_split")
 
 
-def test_token_split_compiles_fullgraph_for_decode_and_training_at_tp2():
+def test_splits_compile_fullgraph_for_decode_and_training_at_tp2():
     run_ranks(_compiled_ranks, 2)

@@ -12,8 +12,8 @@ names are Hugging Face Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_laye
 import torch
 from torch import nn
 
-from models.common.attention import Attention
-from models.common.cache import BatchSplit
+from models.common.attention import Attention, make_causal_mask
+from models.common.cache import BatchSplit, ChunkKV, is_static
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
 from parallel import comm
@@ -44,6 +44,48 @@ def batch_halves(hidden_states, position_embeddings, attention_mask, cache) -> l
     ]  # fmt: skip
 
 
+def sequence_halves(hidden_states, position_embeddings, attention_mask, cache) -> list[tuple]:
+    """A layer's inputs as two chunks of the sequence, [(hidden_states, position_embeddings, attention_mask, cache)]
+    x 2, for the seq_split overlap schedule (parallel/overlap.py; ISO's sequence-level overlap): the first chunk
+    holds the extra token of an odd length. The second chunk's causal attention reads the first chunk's keys and
+    values: both chunks write the same cache one after the other (a chunked prefill), or, without a cache, share a
+    `ChunkKV`; each chunk's mask is its rows of the layer's mask, over the keys its attention sees."""
+    tokens = hidden_states.shape[1]
+    if tokens < 2:
+        raise ValueError(f"overlap=seq_split needs a forward of at least 2 tokens to split; this one has {tokens}.")
+    first = (tokens + 1) // 2
+    chunks = (slice(0, first), slice(first, tokens))
+    if attention_mask is None:  # plain causal attention from the first query on (no key before it)
+        masks = (None, make_causal_mask(None, tokens - first, 0, hidden_states.device, q_offset=first))
+    else:  # [B or 1, 1, tokens, keys]: a static cache returns every slot to both chunks, a growing one its keys so far
+        keys = attention_mask.shape[-1] if is_static(cache) else attention_mask.shape[-1] - (tokens - first)
+        masks = (attention_mask[..., :first, :keys], attention_mask[..., first:, :])
+    shared = ChunkKV() if cache is None else cache
+    return [
+        (hidden_states[:, chunks[i]],
+         None if position_embeddings is None else tuple(t[:, chunks[i]] for t in position_embeddings),
+         masks[i], shared)
+        for i in (0, 1)
+    ]  # fmt: skip
+
+
+# Each splitting schedule (parallel/overlap.py): its inputs' halves and the dimension their outputs join along.
+SPLITS = {"token_split": (batch_halves, 0), "seq_split": (sequence_halves, 1)}
+
+
+def runs_split(overlap: str, hidden_states) -> bool:
+    """Whether a layer under `overlap` runs this forward split: token_split always (it refuses a batch of one);
+    seq_split when the forward has two tokens or more (a decode step's one token runs unsplit: ISO overlaps the
+    prefill)."""
+    return overlap == "token_split" or (overlap == "seq_split" and hidden_states.shape[1] > 1)
+
+
+def split_inputs(overlap: str, hidden_states, position_embeddings, attention_mask, cache) -> tuple[list[tuple], int]:
+    """The two halves of a layer's inputs under the splitting schedule `overlap`, and the dimension to join along."""
+    halves, dim = SPLITS[overlap]
+    return halves(hidden_states, position_embeddings, attention_mask, cache), dim
+
+
 class PreNormAttention:
     """x -> Attn(LN1(x)) (under TP a partial, un-reduced sum) for a module with `self_attn` and
     `input_layernorm`."""
@@ -72,7 +114,7 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None  # set by parallel.parallelize; None = single device
-        self.overlap = "none"  # set by parallel.set_overlap: "token_split" runs `token_split_forward`
+        self.overlap = "none"  # set by parallel.set_overlap: "token_split" / "seq_split" run `split_forward`
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """The layer's feed-forward, `mlp`: Llama's SwiGLU."""
@@ -89,22 +131,23 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        if self.overlap == "token_split":
-            return self.token_split_forward(hidden_states, position_embeddings, attention_mask, cache)
+        if runs_split(self.overlap, hidden_states):
+            return self.split_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         mlp_out = self.mlp_block(hidden_states)
         return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait()
 
-    def token_split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        """The same block over the batch split in two halves that take turns (parallel/overlap.py): each half's
-        all-reduce is issued as soon as its sub-block is done and waited only after the other half's next
-        sub-block, so three of the layer's four all-reduces run behind compute; the last one is waited at the
-        end of the layer. Every token sees the same computation as in `forward`; with a KV cache each half
-        writes and reads its own rows of it (models.common.cache.BatchSplit)."""
-        (x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1) = batch_halves(
-            hidden_states, position_embeddings, attention_mask, cache
+    def split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        """The same block over two halves that take turns (parallel/overlap.py): the batch's halves (token_split)
+        or the sequence's chunks (seq_split). Each half's all-reduce is issued as soon as its sub-block is done and
+        waited only after the other half's next sub-block, so three of the layer's four all-reduces run behind
+        compute; the last one is waited at the end of the layer. Every token sees the same computation as in
+        `forward`: with a KV cache each batch half writes and reads its own rows of it
+        (models.common.cache.BatchSplit), and the second chunk of a sequence attends to the first's keys."""
+        ((x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1)), dim = split_inputs(
+            self.overlap, hidden_states, position_embeddings, attention_mask, cache
         )
         attn0 = comm.all_reduce(self.attention_block(x0, pos0, mask0, cache0), self.tp_group)
         attn1 = comm.all_reduce(self.attention_block(x1, pos1, mask1, cache1), self.tp_group)
@@ -113,4 +156,4 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         x1 = x1 + attn1.wait()  # half 1's behind half 0's MLP
         mlp1 = comm.all_reduce(self.mlp_block(x1), self.tp_group)
         x0 = x0 + mlp0.wait()  # half 0's behind half 1's MLP
-        return torch.cat([x0, x1 + mlp1.wait()])
+        return torch.cat([x0, x1 + mlp1.wait()], dim=dim)

@@ -293,15 +293,16 @@ TRACED_EP_DROPLESS = (
 )
 
 
-def check_split_capacity(block: nn.Module) -> None:
-    """Refuse a batch split (the token_split overlap schedule) on an MoE block with a capacity: its capacity is
-    computed from the tokens one forward routes, so two halves would drop other assignments than the whole batch."""
+def check_split_capacity(block: nn.Module, schedule: str) -> None:
+    """Refuse a split of the forward (the token_split / seq_split overlap schedules) on an MoE block with a capacity:
+    its capacity is computed from the tokens one forward routes, so two halves would drop other assignments than
+    the whole forward."""
     mode, factor = dispatch_now(block)
     if block.capacity_factor is not None or (mode == "padded" and factor is not None):
         raise ValueError(
-            f"overlap=token_split splits the batch, and this MoE block's capacity (capacity_factor="
+            f"overlap={schedule} splits the forward in two halves, and this MoE block's capacity (capacity_factor="
             f"{block.capacity_factor}, moe_dispatch={mode!r} with dispatch_capacity_factor={factor}) is computed from "
-            "the tokens of one forward, so each half would drop other assignments than the whole batch does; run it "
+            "the tokens of one forward, so each half would drop other assignments than the whole forward does; run it "
             "dropless (capacity_factor=None) or padded without a capacity factor (C = the tokens: nothing dropped)."
         )
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.decoder import batch_halves
+from models.common.decoder import runs_split, split_inputs
 from models.common.moe import (
     MoeDispatchMixin,
     SparseMoE,
@@ -69,8 +69,8 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         self.token_mask = None  # [B, T] padding mask of the current forward, for the "hf" balance loss
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        if self.overlap == "token_split":
-            return self.token_split_forward(hidden_states, position_embeddings, attention_mask, cache)
+        if runs_split(self.overlap, hidden_states):
+            return self.split_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         if not self.is_moe:
@@ -81,18 +81,18 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         moe_out, aux = self.mlp(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
         return hidden_states + moe_out, aux
 
-    def token_split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        """The same layer over the batch split in two halves that take turns (parallel/overlap.py; DeepSeek's and
-        SGLang's two-batch overlap): half 0's TP all-reduce runs behind half 1's attention, half 1's dispatch
-        all-to-all behind half 0's experts and half 0's combine behind half 1's experts. The router sees each token
-        as in `forward`, and the balance loss is taken once over both halves' routing, so the loss is the unsplit
-        layer's; a capacity (which depends on how many tokens a forward routes) is refused. A dense layer runs the
-        shared block's split."""
+    def split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        """The same layer over two halves that take turns, the batch's (token_split) or the sequence's (seq_split)
+        (parallel/overlap.py; DeepSeek's and SGLang's two-batch overlap): half 0's TP all-reduce runs behind half
+        1's attention, half 1's dispatch all-to-all behind half 0's experts and half 0's combine behind half 1's
+        experts. The router sees each token as in `forward`, and the balance loss is taken once over both halves'
+        routing (in the unsplit layer's token order), so the loss is the unsplit layer's; a capacity (which depends
+        on how many tokens a forward routes) is refused. A dense layer runs the shared block's split."""
         if not self.is_moe:
-            return super().token_split_forward(hidden_states, position_embeddings, attention_mask, cache), {}
-        check_split_capacity(self.mlp)
-        (x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1) = batch_halves(
-            hidden_states, position_embeddings, attention_mask, cache
+            return super().split_forward(hidden_states, position_embeddings, attention_mask, cache), {}
+        check_split_capacity(self.mlp, self.overlap)
+        ((x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1)), dim = split_inputs(
+            self.overlap, hidden_states, position_embeddings, attention_mask, cache
         )
         attn0 = comm.all_reduce(self.attention_block(x0, pos0, mask0, cache0), self.tp_group)
         attn1 = comm.all_reduce(self.attention_block(x1, pos1, mask1, cache1), self.tp_group)
@@ -104,9 +104,13 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         moe1.compute()  # waits half 1's dispatch (behind half 0's experts); its experts; its combine issued
         x0 = x0 + moe0.combine().view(x0.shape)  # half 0's combine ran behind half 1's experts
         x1 = x1 + moe1.combine().view(x1.shape)
-        whole = replace(routing0, probs=torch.cat([routing0.probs, routing1.probs]),
-                        expert_idx=torch.cat([routing0.expert_idx, routing1.expert_idx]))  # fmt: skip
-        return torch.cat([x0, x1]), self.mlp.aux(whole, token_mask=self.token_mask)
+        def join(t0, t1):  # both halves' token-major routing ([T, E] or [T * k]) in the unsplit layer's token order
+            halves = [t.unflatten(0, (*x.shape[:2], -1)) for t, x in ((t0, x0), (t1, x1))]
+            return torch.cat(halves, dim=dim).flatten(0, 2)
+
+        whole = replace(routing0, probs=join(routing0.probs, routing1.probs),
+                        expert_idx=join(routing0.expert_idx, routing1.expert_idx))  # fmt: skip
+        return torch.cat([x0, x1], dim=dim), self.mlp.aux(whole, token_mask=self.token_mask)
 
     def mlp_in_flight(self, hidden_states):
         """The MLP sub-block with its last collective still in flight, for the ladder schedule: a dense layer's
@@ -194,4 +198,4 @@ class ZooMoeModel(ZooMoePreTrainedModel, ResidualSchedule, ZooDecoderModel):
 class ZooMoeForCausalLM(ZooMoePreTrainedModel, ZooForCausalLM):
     base_model_class = ZooMoeModel
     shard_plan = PLAN
-    overlap_schedules = ("token_split",)  # parallel/overlap.py: MoeDecoderLayer.token_split_forward
+    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: MoeDecoderLayer.split_forward
