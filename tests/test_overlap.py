@@ -1,7 +1,8 @@
 """System-level overlap schedules (parallel/overlap.py) compute what the unsplit model computes: token_split (the
 batch's halves) and seq_split (the sequence's chunks) give the same logits, loss and gradients in one process (fp64,
 1e-10), the same prefill and cached decode on static and growing caches (with padding), under TP 2 the same as the
-unsharded model (gloo, fp32, 1e-5) and under EP 2 the unsplit MoE (fp64); their waits sit where the schedule says
+unsharded model (gloo, fp32, 1e-5; with selective activation checkpointing too) and under EP 2 the unsplit MoE
+(fp64); their waits sit where the schedule says
 (the simulated link's record); architectures that do not take them and a batch of one under token_split are refused
 with the reason."""
 
@@ -87,6 +88,9 @@ def _tp2_splits(rank, world_size):
     for schedule in SPLITS:
         for arch in SPLIT_ARCHS:
             _tp2_one(rank, world_size, mesh, arch, schedule)
+        # Selective activation checkpointing recomputes each half's sub-blocks in backward (under TP they are its
+        # regions): a half whose forward read state the other half had changed since would recompute something else.
+        _tp2_one(rank, world_size, mesh, "llama", schedule, ac="selective")
 
 
 def _all_reduces(model, ids) -> int:
@@ -95,11 +99,14 @@ def _all_reduces(model, ids) -> int:
     return comm.snapshot_counters()["all_reduce"]["calls"] - calls
 
 
-def _tp2_one(rank, world_size, mesh, arch, schedule):
+def _tp2_one(rank, world_size, mesh, arch, schedule, ac="none"):
+    from train.activation_checkpointing import apply_activation_checkpointing
+
     ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(2))
     reference, sharded = _llama(torch.float32, arch=arch), _llama(torch.float32, arch=arch)
     parallel.parallelize(sharded, mesh)
     parallel.set_overlap(sharded, schedule)
+    apply_activation_checkpointing(sharded, ac)
     ref_logits, ref_loss, ref_grads = _loss_and_grads(reference, ids)
     calls = comm.snapshot_counters().get("all_reduce", {}).get("calls", 0)
     logits, loss, grads = _loss_and_grads(sharded, ids)

@@ -21,8 +21,8 @@ serves every step, and no step syncs with the host.
 - `make_static_causal_mask(...)`: the mask of a static cache's forward, [B or 1, 1, q_len, max_cache_len].
 - `BatchSplit(cache, halves, batch)`: a cache seen as two halves of its batch, each written and read on its own (the
   token_split overlap schedule, models.common.decoder).
-- `ChunkKV()`: the keys and values of a sequence's first chunk kept for its second chunk's attention, where a forward
-  has no cache (the seq_split overlap schedule, models.common.decoder).
+- `ChunkKV()` / `ChunkKV(first)`: a sequence's first chunk's keys and values kept for its second chunk's attention,
+  where a forward has no cache (the seq_split overlap schedule, models.common.decoder).
 
 `reset()` empties a static cache in place (buffers zeroed, counters 0), keeping every address: a
 benchmark reuses one cache across generations, as gpt-fast does, and a CUDA graph keeps pointing at it.
@@ -235,17 +235,19 @@ class _CacheHalf:
 
 
 class ChunkKV:
-    """A cache of one layer's forward, for a sequence split in two chunks where the forward has no cache (the
-    seq_split overlap schedule, models.common.decoder): the first chunk's `update` keeps its keys and values and
-    returns them; the second's returns them followed by its own, so the later chunk's causal attention reads the
-    earlier chunk's keys and values as the unsplit attention does (autograd flows through both)."""
+    """The keys and values of a sequence's first chunk for its second chunk, where a forward has no cache (the
+    seq_split overlap schedule, models.common.decoder): `ChunkKV()` is the first chunk's cache, whose `update` keeps
+    its keys and values and returns them; `ChunkKV(first)` is the second chunk's, whose `update` returns the first
+    chunk's followed by its own, so the later chunk's causal attention reads the earlier chunk's keys and values as
+    the unsplit attention does (autograd flows through both). Each chunk's `update` does the same thing every time
+    it runs: activation checkpointing's recomputation of either chunk repeats its forward exactly."""
 
-    def __init__(self):
-        self.first = None
+    def __init__(self, first: "ChunkKV | None" = None):
+        self.first, self.kv = first, None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.first is None:
-            self.first = (key_states, value_states)
+            self.kv = (key_states, value_states)
             return key_states, value_states
-        keys, values = self.first
+        keys, values = self.first.kv
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)

@@ -48,8 +48,8 @@ def sequence_halves(hidden_states, position_embeddings, attention_mask, cache) -
     """A layer's inputs as two chunks of the sequence, [(hidden_states, position_embeddings, attention_mask, cache)]
     x 2, for the seq_split overlap schedule (parallel/overlap.py; ISO's sequence-level overlap): the first chunk
     holds the extra token of an odd length. The second chunk's causal attention reads the first chunk's keys and
-    values: both chunks write the same cache one after the other (a chunked prefill), or, without a cache, share a
-    `ChunkKV`; each chunk's mask is its rows of the layer's mask, over the keys its attention sees."""
+    values: both chunks write the same cache one after the other (a chunked prefill), or, without a cache, the second
+    chunk's `ChunkKV` reads the first's; each chunk's mask is its rows of the layer's mask, over the keys its attention sees."""
     tokens = hidden_states.shape[1]
     if tokens < 2:
         raise ValueError(f"overlap=seq_split needs a forward of at least 2 tokens to split; this one has {tokens}.")
@@ -60,11 +60,12 @@ def sequence_halves(hidden_states, position_embeddings, attention_mask, cache) -
     else:  # [B or 1, 1, tokens, keys]: a static cache returns every slot to both chunks, a growing one its keys so far
         keys = attention_mask.shape[-1] if is_static(cache) else attention_mask.shape[-1] - (tokens - first)
         masks = (attention_mask[..., :first, :keys], attention_mask[..., first:, :])
-    shared = ChunkKV() if cache is None else cache
+    first_kv = ChunkKV()
+    caches = (first_kv, ChunkKV(first_kv)) if cache is None else (cache, cache)
     return [
         (hidden_states[:, chunks[i]],
          None if position_embeddings is None else tuple(t[:, chunks[i]] for t in position_embeddings),
-         masks[i], shared)
+         masks[i], caches[i])
         for i in (0, 1)
     ]  # fmt: skip
 
