@@ -5,10 +5,15 @@
   conf/, every `converter=` a registered converter, every `compute=` a device preset, every link preset a link;
 - every relative link names a file that exists, and a `#anchor` into a Markdown page a heading it has;
 - every table of results equals what eval.doc_tables writes from the committed reports (no number copied by hand);
+- every repository path a page names (`models/common/cache.py`, `conf/parallel/`) exists, every Python name
+  (`models.common.cache.BatchSplit`) imports, every config key set as `a.b=` is a key of a conf/ file, and every
+  default quoted for a conf/ key (`` `parallel.overlap`, default `none` ``) is that file's value;
+- the docs say what is: no history words ("no longer", "as before", ...) outside code;
 - the README stays a page a newcomer reads in minutes;
 - no tracked file points outside the repository (an issue number, the planning files).
 """
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -18,6 +23,8 @@ import pytest
 import models
 from eval import doc_tables
 from eval.simulator.device import DEVICES
+from omegaconf import OmegaConf
+
 from parallel.link import LINK_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,3 +161,116 @@ def test_no_file_points_outside_the_repository():
             if OUTSIDE.search(line):
                 found.append(f"{name}:{number}: {OUTSIDE.search(line).group(0)}")
     assert not found, "files that point outside the repository:\n" + "\n".join(found)
+
+
+# --- paths, names, config keys and defaults a page names -------------------------------------------------------
+
+TOP = ("models", "parallel", "train", "eval", "conf", "tests", "reports", "docs")
+# A repository path: under a top folder, ending in a file's extension or in "/" (a folder).
+PATH = re.compile(r"(?<![\w./<-])((?:%s)/(?:[\w.-]+/)*(?:[\w-]+\.(?:py|md|yaml|json|png|jsonl|txt|toml)\b|))" % "|".join(TOP))
+METRIC_PREFIXES = ("train/",)  # W&B metric names (`train/aux/<name>`) are written like folders: a folder of train/ is
+# checked only where it exists under that name or a file of it is named
+NAME = re.compile(r"`((?:models|parallel|train|eval)(?:\.\w+)+)")
+KEY = re.compile(r"(?<![\w.+/-])([a-z_]+(?:\.\w+)+)=")
+DEFAULT = re.compile(r"`([a-z_][\w.]*)`[^`]{0,30}?\(?\bdefault:? (?:`([^`]+)`|([\w.+-]+))")
+DEFAULT_AFTER = re.compile(r"`([a-z_][\w.]*)(?:=|: )([^`]+)`,? \(?(?:the )?default\b")
+HISTORY = re.compile(r"\b(?:no longer|as before|before:|\(before\b|previously|formerly|any ?more\b|has been (?:removed|"
+                     r"replaced|renamed|moved)|now (?:has|takes|uses|is|are|does|gives|runs|holds)\b)", re.I)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out[f"{prefix}{key}"] = value
+            out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def conf_keys() -> dict[str, list]:
+    """Every key of every conf/ file as a dotted path from the config's root (a group file's keys under its group,
+    `parallel.overlap`; a `# @package _global_` file's at the root), with the values the files give it."""
+    keys: dict[str, list] = {}
+    for file in sorted((ROOT / "conf").rglob("*.yaml")):
+        text = file.read_text()
+        tree = OmegaConf.to_container(OmegaConf.create(text)) if text.strip() else {}
+        if not isinstance(tree, dict):
+            continue
+        tree.pop("defaults", None)
+        group = file.relative_to(ROOT / "conf").parts[:-1]
+        if group and "@package _global_" not in text:
+            for name in reversed(group):
+                tree = {name: tree}
+        for key, value in _flat(tree).items():
+            keys.setdefault(key, []).append(value)
+    return keys
+
+
+CONF_KEYS = conf_keys()
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `dotted` is an importable module or a name defined in one (`models.common.cache.BatchSplit`)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _prose(text: str) -> str:
+    """The page without its code (fenced blocks and inline spans): what is said, not what is run or printed."""
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def wrong_names(text: str) -> list[str]:
+    """What a page's text names that is not there: paths, Python names, config keys, defaults (module docstring)."""
+    wrong = []
+    for path in PATH.findall(text):
+        if not (ROOT / path).exists() and not (path.endswith("/") and path.startswith(METRIC_PREFIXES)):
+            wrong.append(f"path {path}")
+    for dotted in NAME.findall(text):
+        if not _resolves(dotted) and dotted not in CONF_KEYS:
+            wrong.append(f"name {dotted}")
+    for key in KEY.findall(_code(text)):
+        if key not in CONF_KEYS:
+            wrong.append(f"config key {key}=")
+    joined = re.sub(r"\s*\n\s*", " ", text)
+    for match in [*DEFAULT.finditer(joined), *DEFAULT_AFTER.finditer(joined)]:
+        key, value = match.group(1), match.group(2) or match.group(3)
+        found = [k for k in CONF_KEYS if k == key or k.endswith(f".{key}")]
+        values = [v for k in found for v in CONF_KEYS[k]]
+        if not values or None in values or any(isinstance(v, (dict, list)) for v in values):
+            continue  # not a conf/ key (a config class field), or null: a default computed in code, said in words
+        if value.lower() not in {str(v).lower() for v in values}:
+            wrong.append(f"default {key}: the page says {value!r}, conf/ has {sorted({str(v) for v in values})}")
+    return wrong
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_what_a_page_names_exists(page):
+    wrong = wrong_names(page.read_text())
+    assert not wrong, f"{_page_id(page)} names what is not in the repository or conf/: {wrong}"
+
+
+def test_wrong_names_are_found():
+    # The check can fail: each kind of claim, once true and once false.
+    good = ("`models/common/cache.py` holds `models.common.cache.BatchSplit`; `parallel.overlap=token_split` "
+            "(`parallel.overlap`, default `none`)")
+    assert wrong_names(good) == []
+    bad = ("`models/common/kache.py` holds `models.common.cache.BatchSplat`; `parallel.overlay=token_split` "
+           "(`parallel.overlap`, default `token_split`)")
+    assert [w.split()[0] for w in wrong_names(bad)] == ["path", "name", "name", "config", "default"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_a_page_says_what_is(page):
+    found = [line.strip() for line in _prose(page.read_text()).splitlines() if HISTORY.search(line)]
+    assert not found, f"{_page_id(page)} narrates history (git log holds it; say what is): {found}"
