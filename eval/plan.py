@@ -16,9 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 from eval import report
-from eval.simulator.device import DEVICES
 from eval.simulator.heldout import device_model
 from eval.simulator.planner import DEVICE_MEMORY_GIB, plan_generation, plan_training, pretrain_command
+from parallel.devices import DEVICES
 
 TRAIN_COLUMNS = [("label", "layout"), ("tokens_per_s_per_device", "tokens/s/GPU"), ("mfu", "MFU"),
                  ("step_s", "step s"), ("exposed_share", "exposed comm"), ("peak_gib", "peak GiB"), ("fits", "fits")]  # fmt: skip

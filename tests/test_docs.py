@@ -19,12 +19,11 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import models
 from eval import doc_tables
-from eval.simulator.device import DEVICES
-from omegaconf import OmegaConf
-
+from parallel.devices import DEVICES
 from parallel.link import LINK_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,9 +166,9 @@ def test_no_file_points_outside_the_repository():
 
 TOP = ("models", "parallel", "train", "eval", "conf", "tests", "reports", "docs")
 # A repository path: under a top folder, ending in a file's extension or in "/" (a folder).
-PATH = re.compile(r"(?<![\w./<-])((?:%s)/(?:[\w.-]+/)*(?:[\w-]+\.(?:py|md|yaml|json|png|jsonl|txt|toml)\b|))" % "|".join(TOP))
-METRIC_PREFIXES = ("train/",)  # W&B metric names (`train/aux/<name>`) are written like folders: a folder of train/ is
-# checked only where it exists under that name or a file of it is named
+PATH = re.compile(rf"(?<![\w./<-])((?:{'|'.join(TOP)})/(?:[\w.-]+/)*(?:[\w-]+\.(?:py|md|yaml|json|png|jsonl|txt|toml)\b|))")
+# W&B metric names (`train/aux/<name>`) look like folders of train/: a folder path under it need not exist.
+METRIC_PREFIXES = ("train/",)
 NAME = re.compile(r"`((?:models|parallel|train|eval)(?:\.\w+)+)")
 KEY = re.compile(r"(?<![\w.+/-])([a-z_]+(?:\.\w+)+)=")
 DEFAULT = re.compile(r"`([a-z_][\w.]*)`[^`]{0,30}?\(?\bdefault:? (?:`([^`]+)`|([\w.+-]+))")

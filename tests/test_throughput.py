@@ -1,4 +1,4 @@
-"""eval.flops and eval.throughput: FLOPs per token counted on the meta device against hand formulas, the MFU
+"""train.flops and train.throughput: FLOPs per token counted on the meta device against hand formulas, the MFU
 arithmetic, and the callback's three metrics in a two-step CPU run."""
 
 import math
@@ -10,8 +10,8 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 import models
-from eval.flops import flops_per_token, peak_flops, train_flops_per_token
-from eval.throughput import ThroughputMonitor, throughput_metrics
+from train.flops import flops_per_token, peak_flops, train_flops_per_token
+from train.throughput import ThroughputMonitor, throughput_metrics
 
 SEQ = 32
 

@@ -219,7 +219,7 @@ def poison_loss(monkeypatch, at_call: int, factor: float = math.nan) -> None:
 
     def poisoned(self, *args, labels=None, **kwargs):
         output = forward(self, *args, labels=labels, **kwargs)
-        # (not the FLOP count of eval.throughput, one forward on the meta device before training)
+        # (not the FLOP count of train.throughput, one forward on the meta device before training)
         if labels is not None and self.training and self.device.type != "meta":
             calls["n"] += 1
             if calls["n"] == at_call:

@@ -7,7 +7,7 @@ them before it reads the section; every other section checks its own in its modu
 import models
 from eval.bench.degrees import degree_points, ranks
 from eval.report import standard_sibling
-from eval.simulator.device import DEVICES
+from parallel.devices import DEVICES
 from parallel.link import LINK_PRESETS
 from parallel.mesh import DIM_ORDER
 

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 import models
 from eval.bench.settings import TrainingSettings
-from eval.flops import flops_per_token
 from eval.simulator.heldout import device_model
 from eval.simulator.training import (
     RECORDING_LINK,
@@ -38,6 +37,7 @@ from eval.simulator.training import (
 from parallel import comm
 from parallel.link import ClockRecorder, collective_time, get_link
 from train.activation_checkpointing import MODES as AC_MODES
+from train.flops import flops_per_token
 
 COLUMNS = [("arch", "arch"), ("layout", "layout"), ("ac", "AC"), ("compute", "compute"), ("step_ms", "step ms"),
            ("tokens_per_s_per_device", "tokens/s/device"), ("mfu", "MFU"), ("achieved_tflops", "TFLOP/s"),

@@ -95,7 +95,7 @@ def check_names(archs: list[str], shapes: list[str]) -> None:
 
 
 def predict_device() -> str:
-    from eval.simulator.device import DEVICES
+    from parallel.devices import DEVICES
 
     return PREDICT_DEVICE if PREDICT_DEVICE in DEVICES else "h100-sxm"
 

@@ -51,35 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from eval.simulator.attention import attention_charges, attention_program_of, sdpa_keywords, tensor_bytes
-
-
-@dataclass(frozen=True)
-class DevicePreset:
-    name: str
-    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s
-    hbm_Bps: float  # HBM bandwidth, bytes/s
-    note: str = ""
-    sms: int = 0  # streaming multiprocessors (spec sheet); 0: unknown (no wave quantisation possible)
-
-
-# SM counts: NVIDIA's spec sheets / architecture whitepapers (H100 SXM5 and H200: 132; A100 and A800: 108; A30: 56).
-DEVICES: dict[str, DevicePreset] = {
-    "h100-sxm": DevicePreset("h100-sxm", 989e12, 3.35e12, "H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3", 132),
-    "h200": DevicePreset("h200", 989e12, 4.8e12, "H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e", 132),
-    "a100-sxm": DevicePreset("a100-sxm", 312e12, 2.039e12, "A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16, 2.04 TB/s", 108),
-    # The held-out papers' GPUs (eval.simulator.heldout), from the spec sheets only (nothing fitted on them):
-    "a100-40gb": DevicePreset("a100-40gb", 312e12, 1.555e12, "A100 SXM4 40GB datasheet: 312 TFLOP/s dense bf16, 1.555 TB/s HBM2", 108),
-    "a800": DevicePreset("a800", 312e12, 2.039e12, "A800 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e (NVLink cut to 400 GB/s)", 108),
-    "a30": DevicePreset("a30", 165e12, 0.933e12, "A30 PCIe 24GB datasheet: 165 TFLOP/s dense bf16, 933 GB/s HBM2", 56),
-}  # fmt: skip
-
-
-def get_device(name: "str | DevicePreset") -> DevicePreset:
-    if isinstance(name, DevicePreset):
-        return name
-    if name not in DEVICES:
-        raise ValueError(f"Unknown device preset {name!r}; choose one of {sorted(DEVICES)} (or compute=measured).")
-    return DEVICES[name]
+from parallel.devices import DEVICES, DevicePreset, get_device
+from train.flops import EXTRA_FLOPS
 
 
 @dataclass(frozen=True)
@@ -190,15 +163,6 @@ def output_tiles(out: torch.Tensor) -> int:
     return batch * -(-out.shape[-2] // TILE) * -(-out.shape[-1] // TILE)
 
 
-def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
-    """`aten::_grouped_mm`: each element of `mat_a` meets one column block of `mat_b` of width N, whichever the
-    layout ([rows, K] x [G, K, N] as the experts' forward and dA; [K, rows] x [rows, N] with offsets along the
-    rows, dB; [G, M, K] x [G, K, N] batched): 2 x numel(a) x N multiply-adds."""
-    return 2 * mat_a.numel() * mat_b.shape[-1]
-
-
-# FLOP formulas torch.utils.flop_counter does not have.
-EXTRA_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 # The ops without a FLOP formula that the zoo's models run (eval.simulator.audit), by why they are memory-bound:
 # a constant number of operations per element (or O(log n) for a sort), against hundreds of FLOPs per byte at

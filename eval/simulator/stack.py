@@ -34,6 +34,7 @@ import torch
 
 import models
 from models.common.residual import laddered_indices
+from train.flops import flops_per_token
 
 # A segment's first layers may differ from the rest (MoE++'s first layer has no gating residual): at most MAX_LEAD
 # of them; the repeating part's period is at most MAX_PERIOD layers. Then `settle` layers more before the repeating
@@ -196,7 +197,7 @@ def predict_training(arch: str, terms, layout, device, link) -> dict:
 
 
 def train_flops(arch: str, config, seq_len: int) -> float:
-    """The model FLOPs per token of a training step (eval.flops), counted once per config and length in a
+    """The model FLOPs per token of a training step (train.flops), counted once per config and length in a
     process (they do not depend on the layout; the planner counts them before its workers fork)."""
     return _train_flops(arch, config.to_json_string(), seq_len)
 
@@ -204,8 +205,6 @@ def train_flops(arch: str, config, seq_len: int) -> float:
 @cache
 def _train_flops(arch: str, config_json: str, seq_len: int) -> float:
     import json
-
-    from eval.flops import flops_per_token
 
     config_class = models.get(arch).config_class
     return flops_per_token(arch, config_class.from_dict(json.loads(config_json)), seq_len).train

@@ -32,7 +32,7 @@ element of the shard, plus the norm's all-reduce of one number over every rank. 
 the device model's contention, as in the generation replay.
 
 MFU (`mfu`) is the model FLOPs utilisation as PaLM and torchtitan define it: the forward + backward FLOPs of the
-tokens (eval.flops.flops_per_token: the trainer's own count, without the recomputation) per second, over the
+tokens (train.flops.flops_per_token: the trainer's own count, without the recomputation) per second, over the
 peak of the devices; `hfu` counts the recorded FLOPs (recomputation included).
 """
 
@@ -55,6 +55,7 @@ from parallel.layout import shard_specs
 from parallel.link import ClockRecorder, collective_time, get_links
 from train.activation_checkpointing import MODES as AC_MODES
 from train.activation_checkpointing import apply_activation_checkpointing
+from train.flops import flops_per_token
 
 # HBM traffic of one optimizer step per fp32 element of the shard (assumed: fused AdamW, torchtitan's default):
 # master weight, both moments read and written (24 B), the gradient read (4 B); the gradient norm reads the
@@ -296,7 +297,7 @@ class TrainingRecording:
     counts: dict
     shard_params: int  # fp32 elements the optimizer updates on this rank
     all_params: int  # the whole model's (every rank's parameters once)
-    model_flops_per_token: float | None  # forward + backward, no recomputation (eval.flops); None: not counted
+    model_flops_per_token: float | None  # forward + backward, no recomputation (train.flops); None: not counted
     world_size: int
 
     def predict(self, device: DeviceModel, link) -> dict:
@@ -398,10 +399,8 @@ def record_training(
     aten op as the meta device runs it. `fuse_pointwise`: elementwise ops fused into their neighbours (a compiled
     step, `trainer.compile=true`); False charges each as a kernel of its own (eager). `rank`: the rank played
     (a step is set by its slowest rank: sequence parallelism's last chunk). `model_flops=False` skips MFU's
-    numerator (eval.flops counts it on the whole unsharded model at the full length: slow for the linear
+    numerator (train.flops counts it on the whole unsharded model at the full length: slow for the linear
     models' CPU chunked kernel at millions of tokens); `mfu` is then NaN."""
-    from eval.flops import flops_per_token
-
     if kernels not in ("gpu", "as_run"):
         raise ValueError(f"kernels={kernels!r} must be 'gpu' or 'as_run'.")
     flops = flops_per_token(arch, config, layout.seq_len).train if model_flops else None

@@ -1,7 +1,7 @@
 """Throughput, MFU and peak memory of a training run, logged per step: the Lightning callback and its arithmetic.
 
 - `throughput_metrics(tokens, seconds, devices, flops_per_token, peak_flops_per_s)`: one step's tokens/s per
-  device and MFU (the model's FLOPs per token and a device's peak: eval.flops, where MFU is defined).
+  device and MFU (the model's FLOPs per token and a device's peak: train.flops, where MFU is defined).
 - `peak_memory_gb(device)`: the CUDA allocator's peak, or the process's peak resident set on CPU.
 - `ThroughputMonitor`: a Lightning callback logging per training step `train/tokens_per_s_per_device`,
   `train/mfu` and `train/peak_memory_gb`.
@@ -15,7 +15,7 @@ import time
 import lightning as L
 import torch
 
-from eval.flops import flops_per_token, peak_flops
+from train.flops import flops_per_token, peak_flops
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ numerator and denominator (the trainer's ThroughputMonitor, the speed simulator,
 - `flops_per_token(model_name, config, seq_len)`: the model's own FLOPs per token, counted once on the meta
   device (no memory, no values: any size is free) by running a real forward and a real backward of
   batch x seq_len token ids under `torch.utils.flop_counter.FlopCounterMode`, with the speed simulator's
-  formulas for the ops torch has none for (`eval.simulator.device.EXTRA_FLOPS`: the experts' `_grouped_mm`).
+  formulas for the ops torch has none for (`EXTRA_FLOPS`: the experts' `_grouped_mm`).
   The backward is measured, not assumed to be 2x the forward. What is counted is what the counter counts:
   matmul-like ops (matmuls, attention, grouped matmuls); elementwise ops, norms and softmaxes are free, as in
   every MFU convention. On the meta device `F.scaled_dot_product_attention` runs its math decomposition (two
@@ -20,7 +20,7 @@ numerator and denominator (the trainer's ThroughputMonitor, the speed simulator,
   checkpointing recomputes ("full": one more forward; "selective": the forward FLOPs of the ops it does not
   save). Model FLOPs (MFU's numerator, PaLM) exclude recomputation; with recompute the ratio is the hardware
   FLOPs utilization.
-- `peak_flops(device, peak_tflops)`: a device's peak dense bf16 FLOP/s (`eval.simulator.device.DEVICES`).
+- `peak_flops(device, peak_tflops)`: a device's peak dense bf16 FLOP/s (`parallel.devices.DEVICES`).
 
 MFU (torchtitan's definition): `flops_per_token` is the WHOLE model's, however it is split, and
 
@@ -40,8 +40,20 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
-from eval.simulator.device import DEVICES, EXTRA_FLOPS
+from parallel.devices import DEVICES
 from train.activation_checkpointing import SAVED_OPS
+
+
+def _grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """`aten::_grouped_mm`: each element of `mat_a` meets one column block of `mat_b` of width N, whichever the
+    layout ([rows, K] x [G, K, N] as the experts' forward and dA; [K, rows] x [rows, N] with offsets along the
+    rows, dB; [G, M, K] x [G, K, N] batched): 2 x numel(a) x N multiply-adds."""
+    return 2 * mat_a.numel() * mat_b.shape[-1]
+
+
+# FLOP formulas torch.utils.flop_counter does not have.
+EXTRA_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
 
 RECOMPUTE = ("none", "full", "selective")
 # The ops whose outputs selective activation checkpointing saves (its own policy's list, as packets: the FLOP
@@ -122,7 +134,7 @@ _CUDA_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A800", "a800"), ("A100"
 
 def peak_flops(device: str | None = "auto", peak_tflops: float | None = None) -> float | None:
     """Peak dense bf16 FLOP/s of one device: `peak_tflops` x 1e12 when given; else the preset `device` of
-    `eval.simulator.device.DEVICES` ("h100-sxm", "h200", ...); "auto" (or None): the preset of this process's
+    `parallel.devices.DEVICES` ("h100-sxm", "h200", ...); "auto" (or None): the preset of this process's
     CUDA device, by its name. None when unknown (on CPU): MFU is then not logged."""
     if peak_tflops is not None:
         if not peak_tflops > 0:
