@@ -274,6 +274,18 @@ def config_summary(*fields: str, **computed: Callable) -> Callable[[PreTrainedMo
     return summary
 
 
+LLAMA_TYPES = ("llama", "zoo_llama")  # a Hugging Face Llama checkpoint, or the zoo's llama
+
+
+def from_llama(target: str, target_title: str, convert: Callable, summary: Callable, *, check: Callable | None = None,
+               options: tuple[str, ...] = (), source_types: tuple[str, ...] = LLAMA_TYPES,
+               calibration: int = 0) -> Converter:
+    """The converter `llama_to_<target>`: a Llama checkpoint (`source_types`) into the zoo architecture `target`."""
+    return Converter(name=f"llama_to_{target}", source="llama", source_types=source_types, source_title="Llama",
+                     target=target, target_title=target_title, convert=convert, options=options, check=check,
+                     summary=summary, calibration=calibration)  # fmt: skip
+
+
 CONVERTERS: dict[str, Converter] = {}
 
 

@@ -223,15 +223,8 @@ def export_stock_converter(source: str | Path) -> PreTrainedModel:
     return to_stock(AutoModelForCausalLM.from_pretrained(str(source), dtype="auto"))
 
 
-EXPORT_STOCK = Converter(
-    name="export_stock",
-    source="zoo",
-    source_types=ZOO_TYPES,
-    source_title="zoo llama / moe / gqla",
-    target="stock",
-    target_title="stock transformers class",
-    convert=export_stock_converter,
-    check=check_export_stock,
-    summary=lambda model: {"class": type(model).__name__},
-)
+EXPORT_STOCK = Converter(name="export_stock", source="zoo", source_types=ZOO_TYPES,
+                         source_title="zoo llama / moe / gqla", target="stock",
+                         target_title="stock transformers class", convert=export_stock_converter,
+                         check=check_export_stock, summary=lambda model: {"class": type(model).__name__})  # fmt: skip
 register_converter(EXPORT_STOCK)

@@ -38,7 +38,7 @@ from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
-from models.registry import Converter, config_summary
+from models.registry import config_summary, from_llama
 from models.weight_map import Rule, check_mapped, map_weights
 
 CONVERTIBLE = ("llama", "zoo_llama")
@@ -236,16 +236,5 @@ summary = config_summary(
     kv_cache_fraction_absorb=_kv_cache_fraction_absorb,
 )
 
-LLAMA_TO_GQLA = Converter(
-    name="llama_to_gqla",
-    source="llama",
-    source_types=CONVERTIBLE,
-    source_title="Llama",
-    target="gqla",
-    target_title="GQLA",
-    convert=llama_to_gqla,
-    options=GQLA_OPTIONS,
-    check=check_options,
-    summary=summary,
-    calibration=DEFAULT_CALIBRATION_BATCHES,
-)
+LLAMA_TO_GQLA = from_llama("gqla", "GQLA", llama_to_gqla, summary, check=check_options, options=GQLA_OPTIONS,
+                           source_types=CONVERTIBLE, calibration=DEFAULT_CALIBRATION_BATCHES)

@@ -223,17 +223,8 @@ summary = config_summary(
 )
 
 
-DEEPSEEK_TO_GQLA = Converter(
-    name="deepseek_to_gqla",
-    source="deepseek",
-    source_types=DEEPSEEK_TYPES,
-    source_title="DeepSeek-V2 / V3",
-    target="gqla",
-    target_title="GQLA",
-    convert=deepseek_to_gqla,
-    options=DEEPSEEK_OPTIONS,
-    check=check_options,
-    summary=summary,
-    calibration=DEFAULT_CALIBRATION_BATCHES,
-)
+DEEPSEEK_TO_GQLA = Converter(name="deepseek_to_gqla", source="deepseek", source_types=DEEPSEEK_TYPES,
+                             source_title="DeepSeek-V2 / V3", target="gqla", target_title="GQLA",
+                             convert=deepseek_to_gqla, options=DEEPSEEK_OPTIONS, check=check_options,
+                             summary=summary, calibration=DEFAULT_CALIBRATION_BATCHES)  # fmt: skip
 register_converter(DEEPSEEK_TO_GQLA)

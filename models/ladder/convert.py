@@ -10,7 +10,7 @@ from pathlib import Path
 
 from models.ladder.configuration import ZooLadderConfig
 from models.ladder.modeling import ZooLadderForCausalLM
-from models.registry import Converter, config_summary
+from models.registry import config_summary, from_llama
 
 CONVERTIBLE = ("llama", "zoo_llama", "zoo_ladder")
 
@@ -39,15 +39,5 @@ def check_ladder_layers(source: str | Path, ladder_layers: int | list[int]) -> N
 summary = config_summary("ladder_layers", "num_hidden_layers")
 
 
-LLAMA_TO_LADDER = Converter(
-    name="llama_to_ladder",
-    source="llama",
-    source_types=CONVERTIBLE,
-    source_title="Llama",
-    target="ladder",
-    target_title="Ladder",
-    convert=llama_to_ladder,
-    options=("ladder_layers",),
-    check=check_ladder_layers,
-    summary=summary,
-)
+LLAMA_TO_LADDER = from_llama("ladder", "Ladder", llama_to_ladder, summary, check=check_ladder_layers,
+                             options=("ladder_layers",), source_types=CONVERTIBLE)

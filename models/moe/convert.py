@@ -50,7 +50,7 @@ from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.configuration import ZooMoeConfig
 from models.moe.modeling import ZooMoeForCausalLM
-from models.registry import Converter, config_summary, register_converter
+from models.registry import Converter, config_summary, from_llama, register_converter
 from models.weight_map import Rule, chunks, loading_gaps, map_weights, stack_copies
 
 UPCYCLABLE = ("llama", "zoo_llama")
@@ -140,18 +140,8 @@ summary = config_summary(
 )
 
 
-LLAMA_TO_MOE = Converter(
-    name="llama_to_moe",
-    source="llama",
-    source_types=UPCYCLABLE,
-    source_title="Llama",
-    target="moe",
-    target_title="MoE",
-    convert=llama_to_moe,
-    options=MOE_OPTIONS,
-    check=check_llama_to_moe,
-    summary=summary,
-)
+LLAMA_TO_MOE = from_llama("moe", "MoE", llama_to_moe, summary, check=check_llama_to_moe, options=MOE_OPTIONS,
+                          source_types=UPCYCLABLE)
 
 
 # --- Mixtral -> moe: a renaming (module docstring) ---------------------------------------------------------
@@ -325,17 +315,8 @@ mixtral_summary = config_summary(
 )
 
 
-MIXTRAL_TO_MOE = Converter(
-    name="mixtral_to_moe",
-    source="mixtral",
-    source_types=MIXTRAL_TYPES,
-    source_title="Mixtral",
-    target="moe",
-    target_title="MoE",
-    convert=mixtral_to_moe,
-    options=MIXTRAL_OPTIONS,
-    check=check_mixtral_to_moe,
-    summary=mixtral_summary,
-)
+MIXTRAL_TO_MOE = Converter(name="mixtral_to_moe", source="mixtral", source_types=MIXTRAL_TYPES,
+                           source_title="Mixtral", target="moe", target_title="MoE", convert=mixtral_to_moe,
+                           options=MIXTRAL_OPTIONS, check=check_mixtral_to_moe, summary=mixtral_summary)  # fmt: skip
 # Registered here (models/__init__.py imports this module for LLAMA_TO_MOE), beside its definition.
 register_converter(MIXTRAL_TO_MOE)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.convert import MLP_WEIGHT, UPCYCLABLE, load_upcycled, moe_layer, target_config
-from models.registry import Converter, config_summary
+from models.registry import config_summary, from_llama
 from models.scmoe.configuration import ZooScMoeConfig
 from models.scmoe.modeling import ZooScMoeForCausalLM
 from models.weight_map import Rule, map_weights, stack_copies
@@ -91,15 +91,5 @@ summary = config_summary(
 )
 
 
-LLAMA_TO_SCMOE = Converter(
-    name="llama_to_scmoe",
-    source="llama",
-    source_types=UPCYCLABLE,
-    source_title="Llama",
-    target="scmoe",
-    target_title="ScMoE",
-    convert=llama_to_scmoe,
-    options=SCMOE_OPTIONS,
-    check=check_llama_to_scmoe,
-    summary=summary,
-)
+LLAMA_TO_SCMOE = from_llama("scmoe", "ScMoE", llama_to_scmoe, summary, check=check_llama_to_scmoe,
+                            options=SCMOE_OPTIONS, source_types=UPCYCLABLE)
