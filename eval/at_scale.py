@@ -137,6 +137,22 @@ def scale_rows(name: str, results: dict) -> list[dict]:
             "moe_layers": r.get("decode_moe_layers"),
             **sibling_columns(r, sib),
         })  # fmt: skip
+    # The baseline with every link free (the bench's upper bound) on each link's row: what no communication buys.
+    empty = dict.fromkeys(out[0] if out else (), None)
+    for r in results["rows"]:
+        if r["variant"] != "upper_bound" or r["arch"] != base_name:
+            continue
+        for link in sorted({x["link"] for x in rows}):
+            base = index.get((base_name, link, r["batch"], degrees_key(r["degrees"])))
+            if base is not None:
+                out.append({**empty, "run": name, "arch": f"{base_name} (no communication)", "against": base_name,
+                            "at": f"{degrees_label(r['degrees'])}, {link}", "batch": r["batch"], "tok_s": r["total_tok_s"],
+                            "speedup_total": r["total_tok_s"] / base["total_tok_s"],
+                            "speedup_prefill": base["prefill_ms"] / r["prefill_ms"],
+                            "speedup_decode": base["decode_ms_per_step"] / r["decode_ms_per_step"],
+                            "ttft_change": r["prefill_ms"] / base["prefill_ms"] - 1,
+                            "prompt_len": results["settings"]["prompt_len"], "decode_tok_s": r["decode_tok_s"],
+                            "decode_ms": r["decode_ms_per_step"], "prefill_ms": r["prefill_ms"]})  # fmt: skip
     return out
 
 

@@ -280,34 +280,48 @@ def ladder_quality(rel: str) -> list[str]:
     return lines
 
 
-# The architectures set beside the standard model under a system-level overlap schedule (at-scale runs, batch 16):
-# the dense TP family against llama, the MoE family against moe (the same MoE layers: bench_preset=moe).
-AGAINST_OVERLAP = ["llama+token_split", "ladder", "parallel", "parallel+token_split", "kraken"]
-AGAINST_MOE_OVERLAP = ["moe+token_split", "scmoe", "moe_ladder"]
+# The columns of the system-level overlap tables (at-scale runs): the standard model under each schedule, each
+# architecture (under a schedule where it takes one), and the standard model with its links free.
+DENSE_OVERLAP = ["llama+token_split", "llama+seq_split", "parallel", "parallel+token_split", "parallel+seq_split",
+                 "ladder", "kraken", "gqla", "llama (no communication)"]  # fmt: skip
+MOE_OVERLAP = ["moe+token_split", "moe+seq_split", "scmoe", "moe_ladder", "moe (no communication)"]
+OVERLAP_METRICS = (("speedup_total", "tokens/s"), ("speedup_prefill", "prefill (time to first token)"),
+                   ("speedup_decode", "decode"))  # fmt: skip
+
+
+def _overlap_matrix(rows: dict, runs: tuple, archs: list[str], key: str) -> list[str]:
+    """One row per (shape, link, batch) of `runs` ((run, shape label)), one column per architecture of `archs`: its
+    `key` speed-up over the run's baseline (n/a where it has no row: a batch split at batch 1)."""
+    head = ["shape, link, batch", *(f"`{a}`" if "(" not in a else a.split(" (")[1].rstrip(")") for a in archs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run, shape in runs:
+        for at in sorted({k[3] for k in rows if k[0] == run}):
+            for batch in sorted({k[2] for k in rows if k[0] == run and k[3] == at}):
+                cells = [_x(rows[run, a, batch, at][key]) if (run, a, batch, at) in rows else "n/a" for a in archs]
+                lines.append(f"| {shape}, {at.split(', ')[-1]}, batch {batch} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def system_overlap(rel: str) -> list[str]:
-    """Each architecture's predicted speed-up over the standard model beside the standard model's own under
-    token_split: the dense family at the 8B and 70B shapes (batch 16, TP 8, NVLink), the MoE family at the 8B shape
-    with 8 experts (batch 16, EP 8, NVLink and PCIe), and a training step (the at-scale report's rows)."""
+    """Each architecture's predicted speed-up over the standard model beside the standard model's own under the
+    system-level schedules (token_split, seq_split) and with its links free: the dense family at the 8B and 70B
+    shapes (TP 8), the MoE family at the 8B shape with 8 experts (EP 8), NVLink and PCIe, batch 1 and 16, for
+    tokens/s, the prefill and decode; and a training step (the at-scale report's rows)."""
     rows = {(r["run"], r["arch"], r["batch"], r["at"]): r for r in _load(AT_SCALE)["rows"]}
-    lines = ["| shape, link | against | architecture | tokens/s | prefill | decode |", "|---|---|---|---|---|---|"]
-    for run, shape, archs in (("dense_8b", "8B", AGAINST_OVERLAP), ("dense_70b", "70B", AGAINST_OVERLAP),
-                              ("moe_8x7b", "8B, 8 experts", AGAINST_MOE_OVERLAP)):  # fmt: skip
-        for at in sorted({k[3] for k in rows if k[0] == run}):
-            for arch in archs:
-                r = rows.get((run, arch, 16, at))
-                if r is not None:
-                    link = at.split(", ")[-1]
-                    lines.append(f"| {shape}, {link} | `{r['against']}` | `{arch}` | {_x(r['speedup_total'])} | "
-                                 f"{_x(r['speedup_prefill'])} | {_x(r['speedup_decode'])} |")  # fmt: skip
-    lines += ["", "| shape, one training step | against `llama` | step speed-up | tokens/s per GPU |", "|---|---|---|---|"]
+    dense, moe = (("dense_8b", "8B"), ("dense_70b", "70B")), (("moe_8x7b", "8B, 8 experts"),)
+    lines = []
+    for key, what in OVERLAP_METRICS:
+        lines += [f"**{what}**, over `llama` (TP 8):", ""] + _overlap_matrix(rows, dense, DENSE_OVERLAP, key) + [""]
+    for key, what in OVERLAP_METRICS:
+        lines += [f"**{what}**, over `moe` (EP 8):", ""] + _overlap_matrix(rows, moe, MOE_OVERLAP, key) + [""]
+    lines += ["| shape, one training step | against `llama` | step speed-up | tokens/s per GPU |", "|---|---|---|---|"]
     for r in _load(AT_SCALE).get("training", []):
         if r["arch"] != r["against"]:
             shape = {"train_8b": "8B, FSDP 8 x TP 8", "train_70b": "70B, FSDP 32 x TP 8"}.get(r["run"], r["run"])
             lines.append(f"| {shape} | `{r['arch']}` | {_x(r['speedup_vs_baseline'])} | {r['tokens_per_s_per_device']:,.0f} |")
-    lines += ["", f"Generation at batch 16, TP 8 (dense) or EP 8 (MoE); training steps at torchtitan's 2-D layouts (8192-token "
-              f"sequences); predicted: [reports/at-scale]({rel}reports/at-scale/README.md) (`python -m eval.at_scale`)."]
+    lines += ["", "Generation: prompt 1024, 512 new tokens, on 8 x H100; training steps at torchtitan's 2-D layouts "
+              "(8192-token sequences); `no communication`: the baseline with every link free (the bench's upper bound); "
+              f"predicted: [reports/at-scale]({rel}reports/at-scale/README.md) (`python -m eval.at_scale`)."]
     return lines
 
 

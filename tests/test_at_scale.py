@@ -36,12 +36,19 @@ def result(tmp_path_factory):
 def test_every_architecture_gets_its_speed_ups_over_its_baseline(result):
     res, out = result
     rows = {(r["run"], r["arch"], r["batch"]): r for r in res["rows"]}
-    dense, moe = ("llama", "ladder", "parallel", "gqla", "gqla_ladder"), ("moe", "scmoe", "moe_ladder")
+    dense = ("llama", "ladder", "parallel", "gqla", "gqla_ladder", "llama (no communication)")
+    moe = ("moe", "scmoe", "moe_ladder", "moe (no communication)")
+    ttft = ("llama", "kraken", "llama (no communication)")
     assert set(rows) == {(run, arch, b) for run, archs in (("dense", dense), ("moe", moe)) for arch in archs
-                         for b in (1, 2)} | {(f"ttft@{n}", a, 1) for n in (8, 16) for a in ("llama", "kraken")}  # fmt: skip
+                         for b in (1, 2)} | {(f"ttft@{n}", a, 1) for n in (8, 16) for a in ttft}  # fmt: skip
     for (run, _arch, batch), r in rows.items():
         base = rows[(run, r["against"], batch)]
         assert r["speedup_total"] == pytest.approx(r["tok_s"] / base["tok_s"])
+    # the baseline with its links free (the bench's upper bound) is faster than it, on each link's row
+    for run, base_arch, batch in (("dense", "llama", 1), ("dense", "llama", 2), ("moe", "moe", 2), ("ttft@16", "llama", 1)):
+        free, base = rows[(run, f"{base_arch} (no communication)", batch)], rows[(run, base_arch, batch)]
+        assert free["against"] == base_arch and free["prefill_ms"] < base["prefill_ms"]
+        assert free["speedup_prefill"] == pytest.approx(base["prefill_ms"] / free["prefill_ms"])
     # llama waits every all-reduce at once (all of its link time exposed); ladder defers each by one sub-block
     assert rows[("dense", "llama", 1)]["exposed_share"] == pytest.approx(1.0)
     assert rows[("dense", "ladder", 1)]["exposed_share"] < 0.5

@@ -37,7 +37,7 @@ def _numbers(result: dict) -> dict:
 
 def test_the_config_names_every_held_out_paper():
     assert tuple(_cfg()["papers"]) == heldout.PAPERS
-    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record'\]"):
+    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record', 'tokenweave'\]"):
         heldout.module("gpt5")
 
 

@@ -9,7 +9,7 @@ target names the effect the model lacks, with a sensitivity run as evidence; no 
 
 One module per paper, each with
 
-    PAPER: str                         # the key: "kraken", "scmoe", "moepp", "lasp2"
+    PAPER: str                         # the key: "kraken", "scmoe", "moepp", "lasp2", ...
     def validate(quick: bool = False) -> dict   # the row (below); quick: tiny shapes, only the plumbing (tests)
 
 and the row it returns:
@@ -46,7 +46,7 @@ TARGET = 0.15  # each headline speed-up within 15% of the published ratio
 # The keys of a row (above); eval.validation fills the last three with empty values when a row leaves them out.
 ROW_KEYS = ("paper", "source", "headline", "setting", "published", "predicted", "cells", "sensitivity", "lacks", "notes")
 OPTIONAL_KEYS = ("sensitivity", "lacks", "notes")
-PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record")
+PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record", "tokenweave")
 _BENCH_YAML = Path(__file__).resolve().parents[3] / "conf" / "bench.yaml"
 
 
