@@ -45,6 +45,15 @@ GLANCE = ["parallel", "ladder", "kraken", "gqla", "scmoe", "moepp", "linear", "l
 # The quality-over-seeds label an architecture's quality is read from, where it is not its name: MoE++ at the
 # paper's expert ratio (8 FFN + 1 zero / 1 copy / 2 constant experts), as the tour trains it.
 QUALITY_LABEL = {"moepp": "moepp_paper"}
+# What a glance row's names stand for where one name holds two configurations (the speed rows take the bench's
+# configs, bench_preset=moe; the quality rows conf/model/'s tiny ones): (the architecture's, its baseline's).
+GLANCE_LABELS = {
+    "scmoe": ("", "speed: MoE every second layer, where scmoe's pairs put theirs; quality: every layer"),
+    "moepp": ("speed: 8 FFN + 4 zero-computation experts in every layer; quality: `moepp_paper`, the same ratio",
+              "speed: MoE every second layer, so compare per MoE layer; quality: every layer"),
+    "moe_ladder": ("", "speed: MoE every second layer, as the variant"),
+    "moepp_ladder": ("speed: 8 FFN + 4 experts; quality: 4 FFN + 4 (conf/model/moepp.yaml)", "the same configuration"),
+}
 
 
 @functools.cache  # one read per report: the tables read the same ones over and over
@@ -113,8 +122,9 @@ def glance(rel: str) -> list[str]:
         generation = " / ".join(_x(v) for v in first) if first else None
         training = _sp_training_step(arch)  # linear attention: its SP training step too (the tour's)
         diff = _paired(QUALITY_LABEL.get(arch, arch), against)
+        arch_note, against_note = (f" ({n})" if n else "" for n in GLANCE_LABELS.get(arch, ("", "")))
         lines.append(
-            f"| [`{arch}`]({rel}docs/architectures.md#{anchor}) | `{against}` "
+            f"| [`{arch}`]({rel}docs/architectures.md#{anchor}){arch_note} | `{against}`{against_note} "
             f"| {'; '.join(filter(None, [generation, training])) or 'not predicted'} "
             f"| {' / '.join(_x(v) for v in seventy) if seventy else '-'} "
             f"| {_pm(diff) if diff else '-'} | {_agrees(diff)} |"
