@@ -38,10 +38,10 @@ from models.gqla.configuration import ZooGQLAConfig
 from models.gqla.modeling import ZooGQLAForCausalLM
 from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
-from models.registry import config_summary, from_llama
+from models.registry import LLAMA_TYPES, config_summary, from_llama
 from models.weight_map import Rule, check_mapped, map_weights
 
-CONVERTIBLE = ("llama", "zoo_llama")
+CONVERTIBLE = LLAMA_TYPES
 GQLA_OPTIONS = ("kv_lora_rank", "qk_rope_head_dim", "calibration_batches")
 NOT_COPIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 DEFAULT_CALIBRATION_BATCHES = 8

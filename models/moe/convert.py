@@ -50,10 +50,10 @@ from models.llama.configuration import ZooLlamaConfig
 from models.llama.modeling import ZooLlamaForCausalLM
 from models.moe.configuration import ZooMoeConfig
 from models.moe.modeling import ZooMoeForCausalLM
-from models.registry import Converter, config_summary, from_llama, register_converter
+from models.registry import LLAMA_TYPES, Converter, config_summary, from_llama, register_converter
 from models.weight_map import Rule, chunks, loading_gaps, map_weights, stack_copies
 
-UPCYCLABLE = ("llama", "zoo_llama")
+UPCYCLABLE = LLAMA_TYPES
 # The converter's options (train.convert reads them from its config; None there: the target config's
 # default): how many experts, how many per token, which layers, the balance loss's weight.
 MOE_OPTIONS = ("num_local_experts", "num_experts_per_tok", "moe_layer_freq", "router_aux_loss_coef")
