@@ -46,7 +46,9 @@ Modes (`set_mode`, or the `use_mode` context manager):
 
 All functions are autograd-correct (the backward of each collective is its adjoint; for an
 all-to-all, the all-to-all with send and receive splits swapped), so the same calls serve training.
-Backward collectives are issued and waited at once. Calls and bytes are counted per kind in
+Backward collectives are issued and waited at once, but for one: `column_parallel_linears` (the column-parallel
+linears that read one replicated input, as one autograd node) issues its input gradient's all-reduce, computes
+the weights' gradients, then waits. Calls and bytes are counted per kind in
 `counters` (bytes = the input tensor's size; for all-to-all, the rows this rank sends including its
 own chunk); the count exchange of `exchange_splits` is counted as its own kind, `exchange_splits`, and
 the simulated clock keeps its link and exposed time apart under that label too (`busy_by`, `exposed_by`).
@@ -71,7 +73,7 @@ from parallel.comm_modes import (
     snapshot_counters,
     use_mode,
 )
-from parallel.comm_reduce import all_gather, all_reduce, copy_to_tp_region, reduce_scatter
+from parallel.comm_reduce import all_gather, all_reduce, column_parallel_linears, copy_to_tp_region, reduce_scatter
 
 __all__ = [
     "MODES",
@@ -79,6 +81,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "column_parallel_linears",
     "copy_to_tp_region",
     "counters",
     "exchange_splits",

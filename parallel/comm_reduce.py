@@ -159,14 +159,60 @@ class _CopyToTPRegion(torch.autograd.Function):
         return all_reduce(grad, ctx.group).wait(), None
 
 
+class _ColumnParallelLinears(torch.autograd.Function):
+    """Megatron's f fused with the column-parallel linears that read its input: forward x -> [x W_i^T + b_i];
+    backward issues the all-reduce of dL/dx = sum_i g_i W_i, computes the weights' gradients while it is in
+    flight, then waits (Megatron-LM's asynchronous gradient all-reduce of a column-parallel input).
+
+    The linears are computed at autocast's dtype when it is on (what nn.Linear under autocast computes), so the
+    backward needs no autocast state of its own."""
+
+    @staticmethod
+    def forward(ctx, x, group, functional, dtype, *params):
+        pairs = list(zip(params[0::2], params[1::2], strict=True))  # (weight, bias or None) per linear
+        xc = x.to(dtype)
+        weights = [w.to(dtype) for w, _ in pairs]
+        ctx.group, ctx.functional, ctx.dtypes = group, functional, (x.dtype, [w.dtype for w, _ in pairs])
+        ctx.has_bias = [b is not None for _, b in pairs]
+        ctx.save_for_backward(xc, *weights)
+        return tuple(
+            torch.nn.functional.linear(xc, w, None if b is None else b.to(dtype))
+            for w, (_, b) in zip(weights, pairs, strict=True)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xc, *weights = ctx.saved_tensors
+        x_dtype, w_dtypes = ctx.dtypes
+        used = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
+        grad_x = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = sum(g @ w for g, w in used) if used else torch.zeros_like(xc)
+            handle = all_reduce(grad_x, ctx.group, functional=ctx.functional)  # issued; waited below
+        # While the all-reduce is in flight: the weights' (and biases') gradients, which do not need it.
+        rows = xc.reshape(-1, xc.shape[-1])
+        param_grads = []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
+            needs_w, needs_b = ctx.needs_input_grad[4 + 2 * i], ctx.needs_input_grad[5 + 2 * i]
+            param_grads.append(None if g is None or not needs_w else (g_rows.T @ rows).to(w_dtypes[i]))
+            bias = ctx.has_bias[i] and needs_b and g is not None
+            param_grads.append(g_rows.sum(0).to(w_dtypes[i]) if bias else None)
+        if handle is not None:
+            grad_x = handle.wait().to(x_dtype)
+        return grad_x, None, None, None, *param_grads
+
+
 # --- public API -------------------------------------------------------------------------------
 
 
-def all_reduce(x: torch.Tensor, group) -> Handle:
-    """Sum `x` over the ranks of `group`."""
+def all_reduce(x: torch.Tensor, group, functional: bool | None = None) -> Handle:
+    """Sum `x` over the ranks of `group`. `functional` (default: whether torch.compile is tracing now) picks
+    the functional collective; a backward decides it at its forward, since AOT traces backwards outside
+    dynamo."""
     if not _active(group):
         return Handle(x)
-    if _functional():
+    if _functional() if functional is None else functional:
         return Handle(_FunctionalAllReduce.apply(x, group), _FUNCTIONAL)
     box = _Box()
     out = _AllReduce.apply(x, group, box)
@@ -196,6 +242,18 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
         stacked = torch.cat(x.chunk(p, dim=dim), dim=0) if dim != 0 else x  # rank r's chunk at rows r
         return Handle(_FunctionalReduceScatter.apply(stacked, group), _FUNCTIONAL)
     return Handle(_ReduceScatter.apply(x, group, dim))
+
+
+def column_parallel_linears(x: torch.Tensor, linears, group) -> tuple[torch.Tensor, ...]:
+    """`linear(copy_to_tp_region(x))` for each of `linears` (column-parallel shards reading one replicated input),
+    computed as one autograd node whose backward hides the input gradient's all-reduce behind the weight
+    gradients."""
+    if not _active(group) or not torch.is_grad_enabled():  # no backward, nothing to hide
+        return tuple(torch.nn.functional.linear(x, linear.weight, linear.bias) for linear in linears)
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else x.dtype
+    params = [p for linear in linears for p in (linear.weight, linear.bias)]
+    return _ColumnParallelLinears.apply(x, group, _functional(), dtype, *params)
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -78,6 +78,7 @@ def linear_heads(name: str, module: nn.Module, dim: MeshDim) -> None:
     if not hasattr(module, "g_proj"):
         return
     shard_colwise(f"{name}.g_proj", module.g_proj, dim)
+    module.tp_region.add(module.g_proj)
     module.first_head += dim.rank * module.num_heads
     module.o_norm.tp_group = dim.group
     if module.decay == "learned":
