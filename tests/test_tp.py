@@ -155,3 +155,87 @@ def test_mesh_without_tp_dimension_is_one_clear_error():
 
     with pytest.raises(ValueError, match=r"has dimensions \('dp',\) but .* needs a 'tp' dimension"):
         mesh_group(FakeMesh(), "tp", needed_by="tensor parallelism")
+
+
+# --- the column-parallel linears' backward (parallel.comm.column_parallel_linears) ------------------------------
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run: the simulated clock's time, one unit per op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _linears(dtype):
+    torch.manual_seed(0)
+    return [torch.nn.Linear(8, 6, dtype=dtype), torch.nn.Linear(8, 4, bias=False, dtype=dtype)]
+
+
+def _grads(x, linears, outs):
+    sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    grads = [x.grad] + [p.grad for m in linears for p in m.parameters()]
+    x.grad = None
+    for m in linears:
+        m.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_column_parallel_linears_hide_the_input_gradients_all_reduce_behind_the_weight_gradients():
+    """One node for the linears reading one input: the same outputs and gradients as the linears themselves (fp64,
+    1e-12; a simulated all-reduce sums one rank), and on a simulated link its backward computes the weights'
+    gradients between the issue of the input gradient's all-reduce and its wait: part of it is hidden. The
+    clock's time is the number of aten ops run; the all-reduce takes 1,000 of them."""
+    import torch.distributed as dist
+
+    from parallel.link import LinkPreset
+
+    parallel.init_mesh(tp=2, fake=True)
+    try:
+        linears = _linears(torch.float64)
+        x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+        want = _grads(x, linears, [m(x) for m in linears])
+        count = _OpCount()
+        slow = LinkPreset("slow", alpha_s=500.0, beta_Bps=1e30)  # 2 (P - 1) alpha = 1,000 at P = 2
+        with comm.use_mode("simulated", link=slow, world_size=2, now=lambda: float(count.ops)) as clock:
+            clock.start()
+            with count:
+                outs = comm.column_parallel_linears(x, linears, dist.group.WORLD)
+                for out, m in zip(outs, linears, strict=True):
+                    torch.testing.assert_close(out, m(x), rtol=0, atol=1e-12)
+                got = _grads(x, linears, outs)
+            clock.elapsed()
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        assert clock.comm_busy == 1000.0
+        assert 0 < clock.comm_busy - clock.exposed < 1000.0  # the weight gradients' ops ran while it was in flight
+    finally:
+        dist.destroy_process_group()
+
+
+def test_column_parallel_linears_under_autocast_compute_what_nn_linear_computes():
+    """bf16 autocast on CPU (Lightning's bf16-mixed without FSDP): outputs at bf16, gradients at the parameters'
+    fp32, as nn.Linear under autocast gives them (a fake group's all-reduce is the identity)."""
+    import torch.distributed as dist
+
+    parallel.init_mesh(tp=2, fake=True)
+    try:
+        linears = _linears(torch.float32)
+        x = torch.randn(3, 5, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = [m(x) for m in linears]
+            joint = comm.column_parallel_linears(x, linears, dist.group.WORLD)
+        assert [o.dtype for o in joint] == [torch.bfloat16] * 2
+        for got, want in zip(joint, plain, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        want, got = _grads(x, linears, plain), _grads(x, linears, joint)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == torch.float32
+            torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+    finally:
+        dist.destroy_process_group()
