@@ -73,7 +73,13 @@ from parallel.comm_modes import (
     snapshot_counters,
     use_mode,
 )
-from parallel.comm_reduce import all_gather, all_reduce, column_parallel_linears, copy_to_tp_region, reduce_scatter
+from parallel.comm_reduce import (
+    all_gather,
+    all_reduce,
+    column_parallel_linears,
+    copy_to_tp_region,
+    reduce_scatter,
+)
 
 __all__ = [
     "MODES",

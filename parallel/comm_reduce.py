@@ -192,7 +192,7 @@ class _ColumnParallelLinears(torch.autograd.Function):
         # While the all-reduce is in flight: the weights' (and biases') gradients, which do not need it.
         rows = xc.reshape(-1, xc.shape[-1])
         param_grads = []
-        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+        for i, g in enumerate(grads):
             g_rows = None if g is None else g.reshape(-1, g.shape[-1])
             needs_w, needs_b = ctx.needs_input_grad[4 + 2 * i], ctx.needs_input_grad[5 + 2 * i]
             param_grads.append(None if g is None or not needs_w else (g_rows.T @ rows).to(w_dtypes[i]))

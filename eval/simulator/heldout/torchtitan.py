@@ -198,11 +198,12 @@ def validate(quick: bool = False) -> dict:
             "GPUs ran at a 500 W power limit (sensitivity: 835 TFLOP/s peak); the A100 rows (58% MFU published) "
             "need a FLOP efficiency per GPU generation, the committed one being the H100 fit's (sensitivity: 0.6). "
             "The FSDP x TP 8 rows are predicted too slow by their exposed TP communication: without it they are "
-            "within 5% of the published (sensitivity). Where it goes is not measured here. The zoo's TP waits the backward's all-reduce of each column-parallel input's gradient as soon as "
-            "autograd reaches it, after the weight gradients; Megatron's asynchronous all-reduce overlaps it with "
-            "the weight-gradient matmuls, and torchtitan's compiled TP waits its collectives at their first use, "
-            "which may do the same. NVLink SHARP's bus bandwidth at these 0.8-2.1 GB messages, above the preset's "
-            "360 GB/s, accounts for a part (sensitivity: 460)."
+            "within 5% of the published (sensitivity). Where it goes is not measured here. The zoo's TP hides the "
+            "backward's all-reduce of each column-parallel input's gradient behind its weight gradients (Megatron's "
+            "asynchronous all-reduce; attention's q/k/v weight gradients are shorter than it), and waits the "
+            "forward's all-reduces at once; torchtitan's compiled TP waits its collectives at their first use, which "
+            "may hide more. NVLink SHARP's bus bandwidth at these 0.8-2.1 GB messages, above the preset's 360 GB/s, "
+            "accounts for a part (sensitivity: 460)."
         ),
         "notes": [
             "Float8, CP and PP rows not predicted (no FP8 in the device model; no pipeline parallelism).",
