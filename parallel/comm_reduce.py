@@ -173,7 +173,6 @@ class _ColumnParallelLinears(torch.autograd.Function):
         xc = x.to(dtype)
         weights = [w.to(dtype) for w, _ in pairs]
         ctx.group, ctx.functional, ctx.dtypes = group, functional, (x.dtype, [w.dtype for w, _ in pairs])
-        ctx.has_bias = [b is not None for _, b in pairs]
         ctx.save_for_backward(xc, *weights)
         return tuple(
             torch.nn.functional.linear(xc, w, None if b is None else b.to(dtype))
@@ -181,23 +180,22 @@ class _ColumnParallelLinears(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *grads):  # every grad a tensor (autograd materializes the unused outputs' as zeros)
         xc, *weights = ctx.saved_tensors
         x_dtype, w_dtypes = ctx.dtypes
-        used = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None]
-        grad_x = handle = None
+        handle = grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = sum(g @ w for g, w in used) if used else torch.zeros_like(xc)
+            grad_x = sum(g @ w for g, w in zip(grads, weights, strict=True))
             handle = all_reduce(grad_x, ctx.group, functional=ctx.functional)  # issued; waited below
-        # While the all-reduce is in flight: the weights' (and biases') gradients, which do not need it.
+        # While the all-reduce is in flight: the weights' (and biases') gradients, which do not need it. A bias
+        # that is None needs no gradient.
         rows = xc.reshape(-1, xc.shape[-1])
         param_grads = []
         for i, g in enumerate(grads):
-            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
+            g_rows = g.reshape(-1, g.shape[-1])
             needs_w, needs_b = ctx.needs_input_grad[4 + 2 * i], ctx.needs_input_grad[5 + 2 * i]
-            param_grads.append(None if g is None or not needs_w else (g_rows.T @ rows).to(w_dtypes[i]))
-            bias = ctx.has_bias[i] and needs_b and g is not None
-            param_grads.append(g_rows.sum(0).to(w_dtypes[i]) if bias else None)
+            param_grads.append((g_rows.T @ rows).to(w_dtypes[i]) if needs_w else None)
+            param_grads.append(g_rows.sum(0).to(w_dtypes[i]) if needs_b else None)
         if handle is not None:
             grad_x = handle.wait().to(x_dtype)
         return grad_x, None, None, None, *param_grads

@@ -6,8 +6,9 @@
 - "colwise" / "rowwise": one linear.
 Column-parallel linears that read one input get Megatron's f on it (identity forward, all-reduce of the
 gradient backward) so replicated parameters get full gradients; they are computed together
-(`ColumnParallelRegion`), so that f's all-reduce runs while the backward computes their weights' gradients. The model's own `check_layout` refuses degrees
-that do not fit before any role runs; the checks here only guard a role's preconditions.
+(`ColumnParallelRegion`), so that f's all-reduce runs while the backward computes their weights' gradients.
+The model's own `check_layout` refuses degrees that do not fit before any role runs; the checks here only guard
+a role's preconditions.
 """
 
 import torch
