@@ -8,9 +8,11 @@ fp32 atol 1e-5 across TP degrees (sums over ranks in another order).
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import models
@@ -232,15 +234,12 @@ def test_caches_hold_what_kv_bytes_per_token_says():
     assert model.kv_bytes_per_token("gqa", torch.bfloat16) == 2 * (8 + 8 + 16) * 2
 
 
-LLAMA3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-)
+# The bench's Llama 3 8B shape (conf/bench_shape/llama3-8b.yaml).
+LLAMA3_8B = {
+    k: v
+    for k, v in OmegaConf.load(Path(__file__).parents[1] / "conf/bench_shape/llama3-8b.yaml").items()
+    if k != "name"
+}
 
 
 def test_kv_bytes_at_llama3_8b_shape_is_28_125_percent():
