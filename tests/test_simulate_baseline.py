@@ -11,6 +11,7 @@ import models
 from eval.bench import check_settings
 from eval.simulator.attention import ATTENTION_PROGRAMS, attention_charges
 from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
+from eval.simulator.heldout import fitted_constants
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
 from parallel import comm
 from tests.benchkit import bench_settings, run_predicted
@@ -19,10 +20,7 @@ from tests.test_simulate import SHAPE
 # Compute-bound only: HBM and launches free, 1e12 FLOP/s. A step's time is its FLOPs / 1e12.
 FLOPS_ONLY = DeviceModel(DevicePreset("flops-only", 1e12, 1e30), eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
 # The committed constants (conf/bench.yaml device_model, eval.costmodel's fit) on an H100.
-H100 = DeviceModel.from_config(
-    "h100-sxm", eff_flops=0.413, eff_hbm=0.946, kernel_overhead_us=2.35, contention=0.245, contention_bw=0.691,
-    collective_launch_us=41.5,
-)
+H100 = DeviceModel.from_config("h100-sxm", **fitted_constants())
 BATCH, PROMPT, NEW = 2, 32, 16
 
 
@@ -279,3 +277,39 @@ def test_wave_quantisation_charges_a_matmul_its_idle_sms():
     assert not DeviceModel(get_device("h100-sxm")).wave_quantisation and get_device("h100-sxm").sms == 132
     with pytest.raises(ValueError, match=r"wave_quantisation=True needs the device's SM count; preset 'toy' has sms=0"):
         DeviceModel(DevicePreset("toy", 1e12, 1e9), wave_quantisation=True)
+
+
+# --- matmul efficiency by shape (optional, off by default) ------------------------------------------------------
+
+
+def test_matmul_table_charges_a_matmul_its_measured_throughput_at_its_shape():
+    from eval.simulator.matmul_table import BEST, TFLOPS, shape_efficiency
+
+    toy = DevicePreset("toy", 1e12, 1e30)  # compute-bound only
+    flat = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
+    table = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0, matmul_table=True)
+    # A linear (addmm with its bias, mm without) records its (m, n, k); a grid point is charged the table's entry.
+    x = torch.empty(1024, 4096, device="meta", dtype=torch.bfloat16)
+    for bias in (None, torch.empty(512, device="meta", dtype=torch.bfloat16)):
+        with DeviceClock() as clock:
+            F.linear(x, torch.empty(512, 4096, device="meta", dtype=torch.bfloat16), bias)
+        assert [s for s in clock.mnk if s] == [(1024, 512, 4096)], clock.names
+        share = TFLOPS[(1024, 512)][4] / BEST  # 298.93 / 783.33 TFLOP/s
+        assert clock.times(table)[-1] == pytest.approx(clock.times(flat)[-1] / share, rel=1e-12)
+    # Between grid points: linear in log(throughput) over log2 of the dimension (the geometric mean half-way).
+    half = round(2**10.5)
+    expected = (TFLOPS[(1024, 512)][4] * TFLOPS[(2048, 512)][4]) ** 0.5 / BEST
+    assert shape_efficiency(half, 512, 4096) == pytest.approx(expected, rel=1e-3)
+    # Outside the grid: a dimension below 256 is not charged; K above 4096 is 4096's; an output beyond 4096 in one
+    # dimension keeps its m x n with the excess moved into the other.
+    assert shape_efficiency(64, 4096, 4096) == 1.0 and shape_efficiency(1024, 128, 4096) == 1.0
+    assert shape_efficiency(1024, 1024, 8192) == shape_efficiency(1024, 1024, 4096)
+    assert shape_efficiency(1024, 1024, 4096) == pytest.approx(TFLOPS[(1024, 1024)][4] / BEST, rel=1e-12)
+    assert shape_efficiency(8192, 512, 1024) == pytest.approx(TFLOPS[(4096, 1024)][2] / BEST, rel=1e-12)
+    assert shape_efficiency(256, 16384, 2048) == pytest.approx(TFLOPS[(1024, 4096)][3] / BEST, rel=1e-12)
+    assert shape_efficiency(98304, 4096, 4096) == 1.0
+    # A batched matmul has no shape ratio; the table is off by default.
+    with DeviceClock() as clock:
+        torch.empty(8, 1024, 64, device="meta") @ torch.empty(8, 64, 1024, device="meta")
+    assert clock.mnk == [()] and clock.times(table) == clock.times(flat)
+    assert not DeviceModel(get_device("h100-sxm")).matmul_table

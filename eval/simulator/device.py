@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from eval.simulator.attention import attention_charges, attention_program_of, sdpa_keywords, tensor_bytes
+from eval.simulator.matmul_table import shape_efficiency
 from parallel.devices import DEVICES, DevicePreset, get_device
 from train.flops import EXTRA_FLOPS
 
@@ -74,6 +75,9 @@ class DeviceModel:
     # Wave quantisation of matmuls (off: the committed fit has none): a matmul's 128 x 128 output tiles run in
     # waves of one tile per SM, so its FLOP time is divided by tiles / (waves x SMs) (`wave_efficiency`).
     wave_quantisation: bool = False
+    # Matmul efficiency by shape (off: the committed fit has none): a 2-D matmul's FLOP time is divided by the
+    # measured H100 throughput at its (m, n, k) over the throughput at 4096^3 (`eval.simulator.matmul_table`).
+    matmul_table: bool = False
     # Host-side cost of one collective launched outside a CUDA graph (a prefill or a training step; a decode step
     # captured in a graph replays its collectives without it), added to the link's fixed latency by the replay
     # (`eval.simulator.replay.Phase.replay(graphed=False)`): c10d's issue path (the NCCL stream made to wait on the
@@ -109,7 +113,7 @@ class DeviceModel:
     @classmethod
     def from_config(
         cls, device: "str | DevicePreset", *, eff_flops, eff_hbm, kernel_overhead_us, contention, contention_bw=None,
-        wave_quantisation=False, collective_launch_us=0.0,
+        wave_quantisation=False, collective_launch_us=0.0, matmul_table=False,
     ) -> "DeviceModel":
         """From the configs' units (conf/bench.yaml `device_model`, conf/costmodel.yaml): the per-kernel
         overhead in microseconds, a preset by name."""
@@ -121,13 +125,15 @@ class DeviceModel:
             contention=float(contention),
             contention_bw=None if contention_bw is None else float(contention_bw),
             wave_quantisation=bool(wave_quantisation),
+            matmul_table=bool(matmul_table),
             collective_launch_s=float(collective_launch_us) * 1e-6,
         )
 
-    def op_time(self, flops: float, nbytes: float, kernel: bool, tiles: int = 0) -> float:
+    def op_time(self, flops: float, nbytes: float, kernel: bool, tiles: int = 0, mnk: tuple = ()) -> float:
         if not kernel:
             return 0.0
-        compute = flops / (self.device.peak_flops * self.eff_flops * self.wave_efficiency(tiles))
+        shape = self.wave_efficiency(tiles) * self.shape_efficiency(mnk)
+        compute = flops / (self.device.peak_flops * self.eff_flops * shape)
         return max(compute, nbytes / (self.device.hbm_Bps * self.eff_hbm)) + self.kernel_overhead_s
 
     def wave_efficiency(self, tiles: int) -> float:
@@ -137,6 +143,13 @@ class DeviceModel:
             return 1.0
         sms = self.device.sms
         return tiles / (-(-tiles // sms) * sms)
+
+    def shape_efficiency(self, mnk: tuple) -> float:
+        """A 2-D matmul's measured throughput at its (m, n, k) over a large one's (`eval.simulator.matmul_table`); 1
+        without the table or for another op (no `mnk`)."""
+        if not self.matmul_table or not mnk:
+            return 1.0
+        return shape_efficiency(*mnk)
 
 
 # Ops that produce no data of their own: views and aliases (also caught by `OpOverload.is_view`),
@@ -163,6 +176,14 @@ def output_tiles(out: torch.Tensor) -> int:
     return batch * -(-out.shape[-2] // TILE) * -(-out.shape[-1] // TILE)
 
 
+
+def matmul_shape(name: str, args, out: torch.Tensor) -> tuple:
+    """(m, n, k) of a 2-D matmul (`mm`: [m, k] x [k, n]; `addmm`: bias + [m, k] x [k, n]); () for a batched or
+    grouped one (no shape ratio for those: `eval.simulator.matmul_table`)."""
+    if name not in ("aten::mm", "aten::addmm") or out.dim() != 2:
+        return ()
+    a = args[0] if name == "aten::mm" else args[1]
+    return (int(out.shape[0]), int(out.shape[1]), int(a.shape[-1]))
 
 # The ops without a FLOP formula that the zoo's models run (eval.simulator.audit), by why they are memory-bound:
 # a constant number of operations per element (or O(log n) for a sort), against hundreds of FLOPs per byte at
@@ -225,6 +246,7 @@ class DeviceClock(TorchDispatchMode):
         self.bytes: list[float] = []
         self.kernel: list[bool] = []
         self.tiles: list[int] = []  # a matmul's 128 x 128 output tiles (wave quantisation); 0 for other ops
+        self.mnk: list[tuple] = []  # a 2-D matmul's (m, n, k) (matmul efficiency by shape); () for other ops
         self.names: list[str] = []
         self._quiet = 0  # > 0 inside a fused kernel already charged (the attention's decomposition)
         self._last_times = None  # ((DeviceModel, op count), times): replays on several links reuse them
@@ -252,12 +274,14 @@ class DeviceClock(TorchDispatchMode):
         finally:
             self._quiet -= 1
 
-    def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True, tiles: int = 0) -> None:
+    def charge(self, name: str, flops: float, nbytes: float, kernel: bool = True, tiles: int = 0,
+               mnk: tuple = ()) -> None:  # fmt: skip
         self.names.append(name)
         self.flops.append(float(flops))
         self.bytes.append(float(nbytes))
         self.kernel.append(kernel)
         self.tiles.append(int(tiles))
+        self.mnk.append(tuple(mnk))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -273,7 +297,9 @@ class DeviceClock(TorchDispatchMode):
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
             nbytes = sum(tensor_bytes(t) for t in _tensors(list(args) + list(kwargs.values()))) + sum(map(tensor_bytes, results))
-            self.charge(name, flops, nbytes, tiles=output_tiles(results[0]) if name in _MATMULS and results else 0)
+            matmul = name in _MATMULS and bool(results)
+            self.charge(name, flops, nbytes, tiles=output_tiles(results[0]) if matmul else 0,
+                        mnk=matmul_shape(name, args, results[0]) if matmul else ())  # fmt: skip
         elif name in _GATHERS:
             self.charge(name, 0, 2 * sum(map(tensor_bytes, results)))
         elif func._schema.is_mutable and name not in ("aten::copy_",):
@@ -298,7 +324,8 @@ class DeviceClock(TorchDispatchMode):
     def _cumulative(self, model: DeviceModel) -> list[float]:
         flops, nbytes, kernel = (np.asarray(x, dtype=np.float64) for x in (self.flops, self.bytes, self.kernel))
         d = model.device
-        waves = np.asarray([model.wave_efficiency(t) for t in self.tiles], dtype=np.float64)
+        waves = np.asarray([model.wave_efficiency(t) * model.shape_efficiency(s) for t, s in zip(self.tiles, self.mnk, strict=True)],
+                           dtype=np.float64)  # fmt: skip
         per_op = kernel * (
             np.maximum(flops / (d.peak_flops * model.eff_flops * waves), nbytes / (d.hbm_Bps * model.eff_hbm))
             + model.kernel_overhead_s
