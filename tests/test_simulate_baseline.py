@@ -285,7 +285,7 @@ def test_wave_quantisation_charges_a_matmul_its_idle_sms():
 def test_matmul_table_charges_a_matmul_its_measured_throughput_at_its_shape():
     from eval.simulator.matmul_table import BEST, TFLOPS, shape_efficiency
 
-    toy = DevicePreset("toy", 1e12, 1e30)  # compute-bound only
+    toy = DevicePreset("toy", 1e12, 1e30, sm="sm_90")  # compute-bound only, of the table's architecture
     flat = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
     table = DeviceModel(toy, eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0, matmul_table=True)
     # A linear (addmm with its bias, mm without) records its (m, n, k); a grid point is charged the table's entry.
@@ -313,3 +313,9 @@ def test_matmul_table_charges_a_matmul_its_measured_throughput_at_its_shape():
         torch.empty(8, 1024, 64, device="meta") @ torch.empty(8, 64, 1024, device="meta")
     assert clock.mnk == [()] and clock.times(table) == clock.times(flat)
     assert not DeviceModel(get_device("h100-sxm")).matmul_table
+    # A device of another architecture (an A100: sm_80) has no measured table: no shape ratio.
+    with DeviceClock() as clock:
+        F.linear(x, torch.empty(512, 4096, device="meta", dtype=torch.bfloat16))
+    a100 = dict(eff_flops=1.0, eff_hbm=1.0, kernel_overhead_s=0.0)
+    assert clock.times(DeviceModel(get_device("a100-sxm"), matmul_table=True, **a100)) == clock.times(
+        DeviceModel(get_device("a100-sxm"), **a100))

@@ -38,6 +38,10 @@ One op's time on a device (roofline, plus a fixed cost per kernel):
   split-K kernels for skinny matmuls), tensor-core padding of small dimensions, L2 reuse (an operand read
   twice is charged twice), and a kernel's latency beyond the fixed overhead (a small reduction's tail).
   Memory-bound matmuls (decode's weight reads) are charged their bytes either way.
+- Matmul efficiency by shape (`DeviceModel(matmul_table=True)`, on in the committed fit): on a Hopper preset, a 2-D
+  matmul's FLOP time is also divided by the throughput XLA measured on an H100 at its (m, n, k) over the throughput
+  at 4096^3 (eval.simulator.matmul_table: OpenXLA's sm_90 table), so a short prompt's prefill at TP 8 (few output
+  tiles, a short K loop) pays what the measurement says; `eff_flops` is then a large matmul's efficiency.
 """
 
 from contextlib import contextmanager
@@ -51,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from eval.simulator.attention import attention_charges, attention_program_of, sdpa_keywords, tensor_bytes
+from eval.simulator.matmul_table import ARCH as MATMUL_TABLE_ARCH
 from eval.simulator.matmul_table import shape_efficiency
 from parallel.devices import DEVICES, DevicePreset, get_device
 from train.flops import EXTRA_FLOPS
@@ -146,8 +151,8 @@ class DeviceModel:
 
     def shape_efficiency(self, mnk: tuple) -> float:
         """A 2-D matmul's measured throughput at its (m, n, k) over a large one's (`eval.simulator.matmul_table`); 1
-        without the table or for another op (no `mnk`)."""
-        if not self.matmul_table or not mnk:
+        without the table, on a device of another architecture than the table's, or for another op (no `mnk`)."""
+        if not self.matmul_table or not mnk or self.device.sm != MATMUL_TABLE_ARCH:
             return 1.0
         return shape_efficiency(*mnk)
 

@@ -8,7 +8,9 @@ fp16 runs on the same tensor cores at the same rate on H100, so the table serves
 
 What the device model takes from it (`DeviceModel(matmul_table=True)`) is a ratio, not a rate: `shape_efficiency`
 is the table's throughput at a matmul's shape over its throughput at 4096 x 4096 x 4096 (783 TFLOP/s, its best),
-so the fitted `eff_flops` stays the efficiency of a large matmul and a small one (a short prompt's prefill at TP 8:
+only on a device of the architecture measured (`DevicePreset.sm` "sm_90": H100, H200;
+the Ampere presets have no measured table here and are charged none), so the fitted `eff_flops` stays the
+efficiency of a large matmul and a small one (a short prompt's prefill at TP 8:
 few output tiles for 132 SMs, a short K loop) is charged what the measurement says it loses. Between the grid's
 points: linear in log(throughput) over log2 of each dimension. Outside it:
 - a dimension below 256 (a decode step's few rows, a router's few experts): 1, no shape charge (the table does not
@@ -28,6 +30,7 @@ SOURCE = (
     "OpenXLA kDefaultMatmulPTable, sm_90, b = 1, bf16 (xla/service/gpu/model/matmul_interpolator_data.h in "
     "tensorflow/tensorflow at 372d578bb861cc5804e56d37d93aec931a59762c, third_party/xla/)"
 )
+ARCH = "sm_90"  # the architecture measured: a device preset of another (`DevicePreset.sm`) is charged no shape ratio
 DIMS = (256, 512, 1024, 2048, 4096)
 # (m, n): TFLOP/s at k = 256, 512, 1024, 2048, 4096.
 TFLOPS = {

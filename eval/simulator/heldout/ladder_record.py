@@ -11,7 +11,8 @@ the fitted cells do not reach:
   on Inductor's coordinate-descent tuning, under which a batched matmul with one row is decomposed into a product
   and a sum that Inductor fuses with the repeat of K and V, so each query head reads its KV head's rows and no
   repeated copy is written;
-- **batch-1 prefill at TP 4 / 8**: small matmuls and one all-reduce per sub-layer, launched from the host (the
+- **batch-1 prefill at TP 4 / 8**: small matmuls (charged their measured efficiency by shape,
+  eval.simulator.matmul_table) and one all-reduce per sub-layer, launched from the host (the
   prefill is compiled without CUDA graphs): each collective pays the device's `collective_launch_us` on the
   compute stream;
 - every other cell: TP 1 and 2, batch 4-16, the 8B shape's smaller matmuls.
@@ -26,7 +27,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 import models
-from eval.simulator import heldout
+from eval.simulator import heldout, matmul_table
+from eval.simulator.device import get_device
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
 from parallel.link import get_link
 
@@ -114,6 +116,39 @@ def regime_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _named_misses(rows: list[dict], misses: list[dict]) -> str:
+    """What the misses are, by the effects that set them (the text of the row's `lacks`)."""
+    out = []
+    big = [r["ratio"] for r in misses if r["what"] == "other" and "prefill" in r["label"] and r["ratio"] < 1]
+    if big:
+        out.append(
+            f"{len(big)} of the 8B shape's prefills at batch 4-64 (TP 1-2) are predicted {1 - max(big):.0%}-"
+            f"{1 - min(big):.0%} too fast. Their matmuls are large (the measured efficiency by shape, "
+            "eval.simulator.matmul_table, charges them at most a few per cent), so what sets them is the one FLOP "
+            f"efficiency fitted on the 70B record (eff_flops: a large matmul at {heldout.fitted_constants()['eff_flops']:.2f} "
+            f"of peak, where XLA's table measures {matmul_table.BEST * 1e12 / get_device(DEVICE).peak_flops:.2f} at "
+            "4096^3 on its own); the record's 8B prefills ran slower than that, which nothing in "
+            "the device model separates (the fit's efficiency also carries what a gpt-fast prefill spends beside "
+            "its matmuls)"
+        )
+    one = [r for r in misses if r["what"] == "batch-1 prefill at TP 4-8"]
+    if one:
+        out.append(
+            "at batch 1, TP 4-8: " + "; ".join(f"{r['label']} {r['predicted']:.4g} vs {r['published']:.4g}" for r in one)
+            + ", the logged prefill of the column close to the standard's though its run hides communication the "
+            "standard's does not (the other batch-1 cells, their upper bounds included, are within 15% with the "
+            "matmuls' measured efficiency by shape: sensitivity)"
+        )
+    slow = [r for r in misses if "tokens/s" in r["label"] and r["ratio"] > 1]
+    if slow:
+        out.append(
+            f"{len(slow)} tokens/s cells at batch 4-16 are predicted {min(r['ratio'] for r in slow) - 1:.0%}-"
+            f"{max(r['ratio'] for r in slow) - 1:.0%} too fast, where the prefill is a small part and a decode step "
+            "takes a few milliseconds: nothing in the sensitivity runs separates it"
+        )
+    return "; ".join(out) + "."
+
+
 def validate(quick: bool = False) -> dict:
     cells = QUICK_CELLS if quick else RECORD["cells"]
     prompt, new = (QUICK_PROMPT, QUICK_NEW) if quick else (PROMPT, NEW)
@@ -143,6 +178,14 @@ def validate(quick: bool = False) -> dict:
                 sensitivity.append({"effect": f"no host cost per collective (collective_launch_us 0), standard prefill ms, 8B, batch 1, TP {c['tp']}",
                                     "value": 0.0, "predicted": without[key]["prefill_ms"],
                                     "published": c["standard"]["prefill_ms"]})  # fmt: skip
+        # The matmuls' measured efficiency by shape (eval.simulator.matmul_table) off, the other constants as they are.
+        flat = predict(recordings, heldout.device_model(DEVICE, matmul_table=False))
+        for c in cells:
+            if c["model"] == "8b" and ((c["batch"] == 1 and c["tp"] >= 4) or (c["batch"] == 64 and c["tp"] == 1)):
+                key = (c["model"], c["batch"], c["tp"], "upper_bound")
+                sensitivity.append({"effect": f"no matmul efficiency by shape (matmul_table off), upper bound prefill ms, 8B, batch {c['batch']}, TP {c['tp']}",
+                                    "value": False, "predicted": flat[key]["prefill_ms"],
+                                    "published": c["upper_bound"]["prefill_ms"]})  # fmt: skip
         big = [c for c in cells if c["model"] == "8b" and c["batch"] == 64 and c["tp"] <= 2]
         expanded = predict(record_all(big, prompt, new, program="gqa_expand"), device)
         for c in big:
@@ -154,14 +197,7 @@ def validate(quick: bool = False) -> dict:
     if misses:
         lacks = (f"{len(misses)} of {sum(r['ratio'] is not None for r in rows)} cells are off by more than 15%, by regime: "
                  + "; ".join(f"{s['regime']}: {s['cells'] - s['within 15%']} of {s['cells']} (worst {s['worst ratio']:.2f})" for s in summary)
-                 + ". The 8B shape's prefills are predicted too fast wherever the matmuls set their time: at batch "
-                 "32-64 on TP 1-2 and in the upper bound (no communication) at batch 1 on TP 4-8, by 15-19% alike. The "
-                 "device model charges every matmul one FLOP efficiency, fitted on the 70B shape's (K = 8192 and N up "
-                 "to 28672 / TP), and the 8B shape's are smaller (K = 4096); wave quantisation over 128 x 128 tiles "
-                 "(DeviceModel.wave_quantisation), fitted with the rest, takes the 70B record's own upper bound at "
-                 "batch 1, TP 8 out of its target (16%), so it stays off. What is missing is the matmul efficiency by "
-                 "shape. Batch 4-8 at TP 2-4 is predicted 15-19% too fast in tokens/s, where the prefill is a small "
-                 "part and a decode step takes a few milliseconds: nothing in the sensitivity runs separates it.")
+                 + ". " + _named_misses(rows, misses))
     return {
         "paper": "Ladder reference benchmark (mayank31398/ladder-residual-inference): the cells the fit did not use",
         "source": f"{RECORD['source']} at commit {RECORD['commit']}, {RECORD['folder']}<column>/bs_<B>_tp_<P>.log "
