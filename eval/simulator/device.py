@@ -255,6 +255,7 @@ class DeviceClock(TorchDispatchMode):
         self.names: list[str] = []
         self._quiet = 0  # > 0 inside a fused kernel already charged (the attention's decomposition)
         self._last_times = None  # ((DeviceModel, op count), times): replays on several links reuse them
+        self._shares: dict = {}  # (op count, wave SMs, table on) -> each op's FLOP share (`_matmul_shares`)
         self._attention = _FusedAttention(self)
 
     def __enter__(self):
@@ -326,11 +327,19 @@ class DeviceClock(TorchDispatchMode):
             self._last_times = (key, self._cumulative(model))
         return self._last_times[1]
 
+    def _matmul_shares(self, model: DeviceModel) -> np.ndarray:
+        """Each op's share of the chip's FLOP/s (wave quantisation x efficiency by shape; 1 for non-matmuls), computed
+        once per clock and setting: a plan replays one recording under many device models."""
+        key = (len(self.tiles), model.wave_quantisation and model.device.sms, model.matmul_table and model.device.sm == MATMUL_TABLE_ARCH)
+        if key not in self._shares:
+            self._shares[key] = np.asarray([model.wave_efficiency(t) * model.shape_efficiency(s)
+                                            for t, s in zip(self.tiles, self.mnk, strict=True)], dtype=np.float64)  # fmt: skip
+        return self._shares[key]
+
     def _cumulative(self, model: DeviceModel) -> list[float]:
         flops, nbytes, kernel = (np.asarray(x, dtype=np.float64) for x in (self.flops, self.bytes, self.kernel))
         d = model.device
-        waves = np.asarray([model.wave_efficiency(t) * model.shape_efficiency(s) for t, s in zip(self.tiles, self.mnk, strict=True)],
-                           dtype=np.float64)  # fmt: skip
+        waves = self._matmul_shares(model)
         per_op = kernel * (
             np.maximum(flops / (d.peak_flops * model.eff_flops * waves), nbytes / (d.hbm_Bps * model.eff_hbm))
             + model.kernel_overhead_s
