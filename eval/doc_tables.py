@@ -105,6 +105,12 @@ def _sp_training_step(arch: str) -> str | None:
     return None
 
 
+def _param_range(rows: list[dict]) -> str:
+    """The tiny models' active parameter counts as one range in millions ("1.8-1.9 M")."""
+    low, high = (f"{f(r['active_params'] for r in rows) / 1e6:.1f}" for f in (min, max))
+    return f"{low} M" if low == high else f"{low}-{high} M"
+
+
 def glance(rel: str) -> list[str]:
     baselines = {row["arch"]: row["baseline"] for row in _load(SEEDS)["rows"]}
     variants = _at_scale_variants()
@@ -135,7 +141,7 @@ def glance(rel: str) -> list[str]:
         f"the MoE family), predicted by the speed simulator ([reports/at-scale]({rel}reports/at-scale/README.md)); "
         f"`<name>_ladder`: `<name>` with the ladder residual schedule on every layer, over `<name>`; linear attention's "
         f"sequence-parallel training step as the tour predicts it ([reports/demo]({rel}reports/demo/README.md)). "
-        f"Quality: tiny models (1.8 M parameters) at equal tokens, 400 steps, seeds 42 / 43 / 44, mean ± std of the "
+        f"Quality: tiny models ({_param_range(_load(SEEDS)['rows'])} active parameters) at equal tokens, 400 steps, seeds 42 / 43 / 44, mean ± std of the "
         f"per-seed difference; negative is better; a `<name>_ladder`'s tiny models ladder the upper 2 of 4 layers; MoE++ at the paper's expert ratio ([reports/quality-seeds]({rel}reports/quality-seeds/README.md)).",
     ]
     return lines

@@ -62,7 +62,8 @@ def rank_sweep(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m eval.gqla_rank_sweep SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8]`: the rank sweep."""
+    """`python -m eval.gqla_rank_sweep SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8] [--overwrite]`: the rank
+    sweep (an OUT_DIR that already holds results is refused without --overwrite)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -72,7 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rope-dim", type=int, default=None)
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
     parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--overwrite", action="store_true", help="replace the results OUT_DIR already holds")
     args = parser.parse_args(argv)
+    # the one rule for every command that writes a report: never replace one unasked
+    from train.cli import OutputExistsError, refuse_existing_output
+
+    try:
+        refuse_existing_output(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
+    except OutputExistsError as error:
+        raise SystemExit(f"Error: {error}") from None
     rank_sweep(args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches)
 
 

@@ -3,12 +3,12 @@
 (each new group's up-projections the mean of its old groups', nothing folded into query or output), from one
 checkpoint.
 
-    python -m eval.gqla_regroup SOURCE OUT_DIR --groups 2 1 [--calibration-batches 8] [--val-batches 8]
+    python -m eval.gqla_regroup SOURCE OUT_DIR --groups 2 1 [--calibration-batches 8] [--val-batches 8] [--overwrite]
 
 SOURCE: a zoo gqla checkpoint or a DeepSeek-V2 / V3 one (converted exactly first, deepseek_to_gqla). The
 calibration batches are train.convert's (`calibration_batches`), so the numbers are what
 `python -m train.convert converter=deepseek_to_gqla num_kv_groups=N` gives. Writes regroup.md (a table) and
-regroup.json into OUT_DIR.
+regroup.json into OUT_DIR (one that already holds results is refused without --overwrite).
 """
 
 import argparse
@@ -83,14 +83,22 @@ def regroup_costs(
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source")
     parser.add_argument("out_dir")
     parser.add_argument("--groups", type=int, nargs="+", required=True)
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
     parser.add_argument("--val-batches", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument("--overwrite", action="store_true", help="replace the results OUT_DIR already holds")
+    args = parser.parse_args(argv)
+    # the one rule for every command that writes a report: never replace one unasked
+    from train.cli import OutputExistsError, refuse_existing_output
+
+    try:
+        refuse_existing_output(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
+    except OutputExistsError as error:
+        raise SystemExit(f"Error: {error}") from None
     regroup_costs(args.source, args.groups, args.out_dir, args.calibration_batches, args.val_batches)
 
 

@@ -286,6 +286,22 @@ def test_a_fresh_hydra_run_directory_holds_no_results(tmp_path):
     assert results_in(tmp_path) == ["results.json"]
 
 
+@pytest.mark.parametrize("command", ["gqla_regroup", "gqla_rank_sweep"])
+def test_the_gqla_sweeps_never_replace_a_report(command, tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"eval.{command}").main
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "sweep.md").write_text("the first sweep\n")
+    choice = ["--groups", "1"] if command == "gqla_regroup" else ["--ranks", "8"]
+    with pytest.raises(SystemExit) as exited:  # refused before the source is read: it need not exist
+        main([str(tmp_path / "no-checkpoint"), str(out), *choice])
+    message = str(exited.value.code)
+    assert message.startswith("Error:") and str(out) in message and "--overwrite" in message
+    assert snapshot(out) == {"sweep.md": b"the first sweep\n"}
+
+
 def test_gpu_check_never_replaces_a_report(tmp_path, capsys):
     from eval import gpu_check
 
