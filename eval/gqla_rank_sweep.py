@@ -8,10 +8,12 @@ batches are train.convert's (`calibration_batches`), so the sweep sees what `tra
 Writes sweep.png and sweep.md (a table) into OUT_DIR.
 """
 
+import argparse
 from pathlib import Path
 
 from eval import report
 from models.gqla.convert import DEFAULT_CALIBRATION_BATCHES, calibrate, convert_model, load_source, summary
+from train.cli import exit_if_output_exists
 from train.convert import calibration_batches, source_data
 from train.metrics import evaluate_loss
 
@@ -61,27 +63,26 @@ def rank_sweep(
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m eval.gqla_rank_sweep SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8] [--overwrite]`: the rank
-    sweep (an OUT_DIR that already holds results is refused without --overwrite)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
+def sweep_arguments(description: str) -> argparse.ArgumentParser:
+    """The GQLA sweeps' command line (this one and eval.gqla_regroup): SOURCE OUT_DIR, the calibration and validation
+    batches, and --overwrite (an OUT_DIR that already holds results is refused without it)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("source")
     parser.add_argument("out_dir")
-    parser.add_argument("--ranks", type=int, nargs="+", required=True)
-    parser.add_argument("--rope-dim", type=int, default=None)
     parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--overwrite", action="store_true", help="replace the results OUT_DIR already holds")
-    args = parser.parse_args(argv)
-    # the one rule for every command that writes a report: never replace one unasked
-    from train.cli import OutputExistsError, refuse_existing_output
+    return parser
 
-    try:
-        refuse_existing_output(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
-    except OutputExistsError as error:
-        raise SystemExit(f"Error: {error}") from None
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m eval.gqla_rank_sweep SOURCE OUT_DIR --ranks 8 16 32 [--rope-dim 8] [--overwrite]`: the rank
+    sweep (an OUT_DIR that already holds results is refused without --overwrite)."""
+    parser = sweep_arguments(main.__doc__)
+    parser.add_argument("--ranks", type=int, nargs="+", required=True)
+    parser.add_argument("--rope-dim", type=int, default=None)
+    args = parser.parse_args(argv)
+    exit_if_output_exists(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
     rank_sweep(args.source, args.ranks, args.out_dir, args.rope_dim, args.calibration_batches, args.val_batches)
 
 

@@ -11,16 +11,17 @@ calibration batches are train.convert's (`calibration_batches`), so the numbers 
 regroup.json into OUT_DIR (one that already holds results is refused without --overwrite).
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
+from eval.gqla_rank_sweep import sweep_arguments
 from models.gqla import ZooGQLAConfig, ZooGQLAForCausalLM
 from models.gqla.deepseek import DEEPSEEK_TYPES, DEFAULT_CALIBRATION_BATCHES, convert_deepseek, load_deepseek
 from models.gqla.regroup import attention_statistics, check_groups, regroup
+from train.cli import exit_if_output_exists
 from train.convert import calibration_batches, source_data
 from train.metrics import evaluate_loss
 
@@ -84,21 +85,10 @@ def regroup_costs(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source")
-    parser.add_argument("out_dir")
+    parser = sweep_arguments(__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, nargs="+", required=True)
-    parser.add_argument("--calibration-batches", type=int, default=DEFAULT_CALIBRATION_BATCHES)
-    parser.add_argument("--val-batches", type=int, default=8)
-    parser.add_argument("--overwrite", action="store_true", help="replace the results OUT_DIR already holds")
     args = parser.parse_args(argv)
-    # the one rule for every command that writes a report: never replace one unasked
-    from train.cli import OutputExistsError, refuse_existing_output
-
-    try:
-        refuse_existing_output(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
-    except OutputExistsError as error:
-        raise SystemExit(f"Error: {error}") from None
+    exit_if_output_exists(args.out_dir, args.overwrite, flag="--overwrite", other="OUT_DIR")
     regroup_costs(args.source, args.groups, args.out_dir, args.calibration_batches, args.val_batches)
 
 

@@ -264,6 +264,15 @@ def _this_run(path: str) -> bool:
         return False
 
 
+def exit_if_output_exists(directory: str | os.PathLike, overwrite: bool, *, flag: str, other: str) -> None:
+    """`refuse_existing_output` for an argparse command (no Hydra to print the error): exits with its one `Error:`
+    line."""
+    try:
+        refuse_existing_output(directory, overwrite, flag=flag, other=other)
+    except OutputExistsError as error:
+        raise SystemExit(f"Error: {error}") from None
+
+
 def refuse_existing_output(
     directory: str | os.PathLike,
     overwrite: bool,

@@ -24,12 +24,9 @@ def main(argv: list[str] | None = None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, s = parse_args(argv)
     # the one rule for every command that writes a report: never replace one unasked
-    from train.cli import OutputExistsError, refuse_existing_output
+    from train.cli import exit_if_output_exists
 
-    try:
-        refuse_existing_output(args.out, args.overwrite, flag="--overwrite", other="--out <dir>")
-    except OutputExistsError as error:
-        raise SystemExit(f"Error: {error}") from None
+    exit_if_output_exists(args.out, args.overwrite, flag="--overwrite", other="--out <dir>")
     device = torch.device(s.device)
     report = Report(Path(args.out), s, argv)
     threads = torch.get_num_threads()
