@@ -1,4 +1,4 @@
-"""The prepared GPU check (eval/gpu_check.py) on a CPU: its quick mode in-process at the tiny
+"""The prepared GPU check (eval/gpu_check/) on a CPU: its quick mode in-process at the tiny
 shape (llama at TP 2, moe at EP 2 with the padded dispatch), writes README.md and results.json with one row per
 architecture holding eager, compiled and predicted decode-step numbers, the kernel check and the environment.
 The compiled step runs under aot_eager here (inductor's C++ compile takes 30-70 s per model on 2 shared
