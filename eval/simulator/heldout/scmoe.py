@@ -49,7 +49,7 @@ import torch
 
 from eval.simulator import replay
 from eval.simulator.device import DeviceClock
-from eval.simulator.heldout import TARGET, device_model, geomean, scmoe_train
+from eval.simulator.heldout import TARGET, device_model, fitted_constants, geomean, scmoe_train
 from models.common.moe import SparseMoE
 from models.llama.configuration import ZooLlamaConfig
 from models.moe.configuration import ZooMoeConfig
@@ -420,7 +420,7 @@ def _lacks(cells: list[dict], sensitivity: list[dict]) -> str:
     text = (
         f"Off by more than 15%: {'; '.join(c['label'] for c in misses)}. (1) PCIe, the speed-up: the effect the "
         f"model lacks is contention that depends on the link's byte rate. The device model charges every "
-        f"overlapped second of bandwidth-bound communication contention_bw = 0.71 of a second (fitted on H100 "
+        f"overlapped second of bandwidth-bound communication contention_bw = {fitted_constants()['contention_bw']:.2f} of a second (fitted on H100 "
         f"NVLink, where NCCL streams ~360 GB/s through HBM and SMs beside the compute), whatever the link; an "
         f"all-to-all over a ~24 GB/s PCIe link moves ~15x fewer bytes per second through the GPU, so ScMoE's "
         f"overlap on PCIe is charged as if it were NVLink traffic. With no contention the PCIe cell predicts "
