@@ -7,20 +7,21 @@ m, n, k in {256, 512, 1024, 2048, 4096}. Kept here: the b = 1 entries, "bf16xbf1
 fp16 runs on the same tensor cores at the same rate on H100, so the table serves fp16 records too.
 
 What the device model takes from it (`DeviceModel(matmul_table=True)`) is a ratio, not a rate: `shape_efficiency`
-is the table's throughput at a matmul's shape over its throughput at 4096 x 4096 x 4096 (783 TFLOP/s, its best),
-only on a device of the architecture measured (`DevicePreset.sm` "sm_90": H100, H200;
-the Ampere presets have no measured table here and are charged none), so the fitted `eff_flops` stays the
-efficiency of a large matmul and a small one (a short prompt's prefill at TP 8:
-few output tiles for 132 SMs, a short K loop) is charged what the measurement says it loses. Between the grid's
-points: linear in log(throughput) over log2 of each dimension. Outside it:
+is the table's throughput at a matmul's shape over its throughput at 4096 x 4096 x 4096 (783 TFLOP/s, its best), so
+the fitted `eff_flops` stays the efficiency of a large matmul and a small one (a short prompt's prefill at TP 8: few
+output tiles for 132 SMs, a short K loop) is charged what the measurement says it loses. It applies on a device of
+the architecture measured only (`DevicePreset.sm` "sm_90": H100, H200); the Ampere presets have no measured table
+here and are charged none.
+
+Between the grid's points: linear in log(throughput) over log2 of each dimension. Outside it:
 - a dimension below 256 (a decode step's few rows, a router's few experts): 1, no shape charge (the table does not
   cover those kernels: they are GEMV-like and memory-bound, charged their bytes by the roofline);
 - K above 4096: K = 4096 (the table's throughput rises with K and flattens by 4096: 739 -> 783 TFLOP/s from 2048 at
   4096 x 4096);
 - an output larger than the grid in one dimension (a training step's 98,304 rows): the excess moved into the other
   dimension, keeping m x n (the output tiles, the matmul's parallelism), up to 4096 x 4096.
-Not modelled: the kernel a library picks at these shapes beyond what XLA's autotuned choice reached (split-K for a
-weight gradient's long K), batched matmuls (`bmm`, `_grouped_mm`: charged without a shape ratio).
+Not modelled: a kernel other than the one XLA measured at these shapes (split-K for a weight gradient's long K);
+batched matmuls (`bmm`, `_grouped_mm`: charged without a shape ratio).
 """
 
 import math
