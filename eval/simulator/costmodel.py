@@ -103,7 +103,7 @@ def device_model(cfg: dict, c: dict) -> DeviceModel:
     return DeviceModel.from_config(
         cfg["device"], eff_flops=c["eff_flops"], eff_hbm=c["eff_hbm"], kernel_overhead_us=c["kernel_overhead_us"],
         contention=c["contention"], contention_bw=c["contention_bw"], wave_quantisation=cfg["wave_quantisation"],
-        collective_launch_us=c["collective_launch_us"], matmul_table=cfg.get("matmul_table", False),
+        collective_launch_us=c["collective_launch_us"], matmul_table=cfg["matmul_table"],
     )
 
 

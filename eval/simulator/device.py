@@ -152,9 +152,12 @@ class DeviceModel:
     def shape_efficiency(self, mnk: tuple) -> float:
         """A 2-D matmul's measured throughput at its (m, n, k) over a large one's (`eval.simulator.matmul_table`); 1
         without the table, on a device of another architecture than the table's, or for another op (no `mnk`)."""
-        if not self.matmul_table or not mnk or self.device.sm != MATMUL_TABLE_ARCH:
-            return 1.0
-        return shape_efficiency(*mnk)
+        return shape_efficiency(*mnk) if mnk and self.uses_matmul_table else 1.0
+
+    @property
+    def uses_matmul_table(self) -> bool:
+        """Whether matmuls are charged the measured table's efficiency by shape: on, and a device of its architecture."""
+        return self.matmul_table and self.device.sm == MATMUL_TABLE_ARCH
 
 
 # Ops that produce no data of their own: views and aliases (also caught by `OpOverload.is_view`),
@@ -330,7 +333,7 @@ class DeviceClock(TorchDispatchMode):
     def _matmul_shares(self, model: DeviceModel) -> np.ndarray:
         """Each op's share of the chip's FLOP/s (wave quantisation x efficiency by shape; 1 for non-matmuls), computed
         once per clock and setting: a plan replays one recording under many device models."""
-        key = (len(self.tiles), model.wave_quantisation and model.device.sms, model.matmul_table and model.device.sm == MATMUL_TABLE_ARCH)
+        key = (len(self.tiles), model.wave_quantisation and model.device.sms, model.uses_matmul_table)
         if key not in self._shares:
             self._shares[key] = np.asarray([model.wave_efficiency(t) * model.shape_efficiency(s)
                                             for t, s in zip(self.tiles, self.mnk, strict=True)], dtype=np.float64)  # fmt: skip

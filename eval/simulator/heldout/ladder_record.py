@@ -116,7 +116,7 @@ def regime_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _named_misses(rows: list[dict], misses: list[dict]) -> str:
+def _named_misses(misses: list[dict]) -> str:
     """What the misses are, by the effects that set them (the text of the row's `lacks`)."""
     out = []
     big = [r["ratio"] for r in misses if r["what"] == "other" and "prefill" in r["label"] and r["ratio"] < 1]
@@ -197,7 +197,7 @@ def validate(quick: bool = False) -> dict:
     if misses:
         lacks = (f"{len(misses)} of {sum(r['ratio'] is not None for r in rows)} cells are off by more than 15%, by regime: "
                  + "; ".join(f"{s['regime']}: {s['cells'] - s['within 15%']} of {s['cells']} (worst {s['worst ratio']:.2f})" for s in summary)
-                 + ". " + _named_misses(rows, misses))
+                 + ". " + _named_misses(misses))
     return {
         "paper": "Ladder reference benchmark (mayank31398/ladder-residual-inference): the cells the fit did not use",
         "source": f"{RECORD['source']} at commit {RECORD['commit']}, {RECORD['folder']}<column>/bs_<B>_tp_<P>.log "
