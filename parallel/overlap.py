@@ -7,14 +7,21 @@ the unchanged model after its shard layout:
 - `token_split`: the batch split in two halves that take turns, so that one half's tensor-parallel all-reduce is in
   flight while the other half computes (TokenWeave's and Domino's batch split), and in an MoE layer one half's
   expert-parallel dispatch / combine all-to-all while the other half's experts run (DeepSeek's and SGLang's
-  two-batch overlap). The waits are written in the layers that take it (the standard block's
-  `models.common.PreNormDecoderLayer.split_forward`, the parallel block's, `models.moe`'s MoE layer). It needs a
-  batch of two sequences or more; with a KV cache each half writes and reads its own rows of it
-  (`models.common.cache.BatchSplit`).
+  two-batch overlap). It needs a batch of two sequences or more; with a KV cache each half writes and reads its own
+  rows of it (`models.common.cache.BatchSplit`).
 - `seq_split`: the sequence split in two chunks that take turns in the same way (ISO's sequence-level overlap, for
   a prefill of one sequence): the second chunk's causal attention reads the first chunk's keys and values of the
   same layer, which are ready before it runs. Every forward of two tokens or more is split (prefill, training); a
   decode step's single token runs as `none`, having nothing to split.
+
+Under either split the trunk splits the forward once and joins the halves after the last layer
+(`models.common.decoder.run_split`); each layer runs its sub-blocks on the halves in turn, in its `split_layer`,
+where the waits are written (the standard block's `models.common.PreNormDecoderLayer.split_layer`, the parallel
+block's, `models.moe`'s MoE layer), and hands half 1's last collective on in flight, so that it runs behind the
+next layer's first sub-block of half 0, as TokenWeave and Domino overlap across layers: only the last layer's last
+collective is waited with no compute after it. The trunk then calls its layers' sub-blocks itself, so FSDP units
+and activation-checkpointing regions are the sub-blocks' modules, as under the ladder schedule (the trunk's
+`runs_layers_whole`).
 
 The benches and the simulator name an architecture under a schedule `<arch>+<schedule>` (`llama+token_split`,
 `models.schedule_of`).
@@ -53,11 +60,12 @@ def check_overlap(model_class: type, schedule: str, residual: str = "standard") 
 
 
 def set_overlap(model: nn.Module, schedule: str) -> nn.Module:
-    """Run every layer of `model` that has an `overlap` setting under `schedule` (in place); returns `model`."""
+    """Run `model`'s trunk (every module with an `overlap` setting) under `schedule` (in place); returns `model`.
+    Set before activation checkpointing, compile and FSDP, whose units follow how the trunk calls its layers."""
     check_overlap(type(model), schedule, getattr(model.config, "residual", "standard"))
-    layers = [m for m in model.modules() if hasattr(m, "overlap")]
-    if schedule != "none" and not layers:
-        raise ValueError(f"{type(model).__name__} lists overlap={schedule!r} but has no layer with an `overlap` setting.")
-    for layer in layers:
-        layer.overlap = schedule
+    trunks = [m for m in model.modules() if hasattr(m, "overlap")]
+    if schedule != "none" and not trunks:
+        raise ValueError(f"{type(model).__name__} lists overlap={schedule!r} but has no module with an `overlap` setting.")
+    for trunk in trunks:
+        trunk.overlap = schedule
     return model

@@ -47,7 +47,7 @@ def test_a_split_is_the_unsplit_model_in_fp64(schedule, batch, length, arch):
     ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
     plain, split = _llama(arch=arch), _llama(arch=arch)
     parallel.set_overlap(split, schedule)
-    assert all(layer.overlap == schedule for layer in split.model.layers)
+    assert split.model.overlap == schedule and not split.model.runs_layers_whole  # the trunk runs the halves
     ref_logits, ref_loss, ref_grads = _loss_and_grads(plain, ids)
     logits, loss, grads = _loss_and_grads(split, ids)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-10)
@@ -55,7 +55,7 @@ def test_a_split_is_the_unsplit_model_in_fp64(schedule, batch, length, arch):
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     parallel.set_overlap(split, "none")  # back to the architecture's own schedule
-    assert all(layer.overlap == "none" for layer in split.model.layers)
+    assert split.model.overlap == "none" and split.model.runs_layers_whole
 
 
 @pytest.mark.parametrize("arch", SPLIT_ARCHS)
@@ -138,19 +138,22 @@ def test_splits_under_tp2_are_the_unsharded_model():
 
 @pytest.mark.parametrize("schedule", SPLITS)
 def test_each_half_waits_after_the_other_halfs_sub_block(schedule):
-    # The simulated link's record of one layer's forward: issue, issue, wait, issue, wait, issue, wait, wait.
+    # The simulated link's record of a two-layer forward. Unsplit: each all-reduce waited at once. Split: each
+    # half's waited after the other half's next sub-block, and half 1's last of layer 0 after half 0's attention of
+    # layer 1 (issued, then waited): only the last layer's last all-reduce is waited with nothing after it.
     from eval.simulator.training import TrainLayout, record_training
 
-    config = models.get("llama").tiny_at({"tp": 2}, **TINY, num_hidden_layers=1)
+    config = models.get("llama").tiny_at({"tp": 2}, **TINY, num_hidden_layers=2)
     plain = record_training("llama", config, TrainLayout(tp=2, micro_batch=2, seq_len=8), model_flops=False)
     split = record_training("llama", config, TrainLayout(tp=2, micro_batch=2, seq_len=8, overlap=schedule),
                             model_flops=False)  # fmt: skip
 
-    def calls(run, n):  # the first n issues and waits: the one layer's forward
+    def calls(run, n):  # the first n issues and waits: the forward
         return [name for name, _, _ in run.recorder.calls if name in ("issue", "wait")][:n]
 
-    assert calls(plain, 4) == ["issue", "wait", "issue", "wait"]
-    assert calls(split, 8) == ["issue", "issue", "wait", "issue", "wait", "issue", "wait", "wait"]
+    assert calls(plain, 8) == ["issue", "wait"] * 4
+    layer = ["issue", "issue", "wait", "issue", "wait", "issue", "wait"]  # half 1's MLP all-reduce left in flight
+    assert calls(split, 16) == layer + ["issue", "wait", "issue", "wait", "issue", "wait", "issue", "wait", "wait"]
 
 
 def test_refusals_name_the_reason():

@@ -237,17 +237,18 @@ class _CacheHalf:
 class ChunkKV:
     """The keys and values of a sequence's first chunk for its second chunk, where a forward has no cache (the
     seq_split overlap schedule, models.common.decoder): `ChunkKV()` is the first chunk's cache, whose `update` keeps
-    its keys and values and returns them; `ChunkKV(first)` is the second chunk's, whose `update` returns the first
-    chunk's followed by its own, so the later chunk's causal attention reads the earlier chunk's keys and values as
-    the unsplit attention does (autograd flows through both). Each chunk's `update` does the same thing every time
-    it runs: activation checkpointing's recomputation of either chunk repeats its forward exactly."""
+    each layer's keys and values (by `layer_idx`: one pair serves every layer of the forward) and returns them;
+    `ChunkKV(first)` is the second chunk's, whose `update` returns the first chunk's of that layer followed by its
+    own, so the later chunk's causal attention reads the earlier chunk's keys and values as the unsplit attention
+    does (autograd flows through both). Each chunk's `update` does the same thing every time it runs: activation
+    checkpointing's recomputation of either chunk of any layer repeats its forward exactly."""
 
     def __init__(self, first: "ChunkKV | None" = None):
-        self.first, self.kv = first, None
+        self.first, self.kv = first, {}
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.first is None:
-            self.kv = (key_states, value_states)
+            self.kv[layer_idx] = (key_states, value_states)
             return key_states, value_states
-        keys, values = self.first.kv
+        keys, values = self.first.kv[layer_idx]
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)

@@ -37,6 +37,7 @@ from models.common.cache import (
     is_static,
     make_static_causal_mask,
 )
+from models.common.decoder import run_split, runs_split
 from models.common.norm import RMSNorm
 from models.common.pretrained import ZooPreTrainedModel
 from models.common.rotary import RotaryEmbedding
@@ -100,11 +101,18 @@ class ZooDecoderModel(ZooPreTrainedModel):
         self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = self.make_rotary(config)  # None: no RoPE anywhere in the model
+        # The system-level overlap schedule (parallel/overlap.py), set by parallel.set_overlap: under
+        # "token_split" / "seq_split" `run_layers` runs the layers over the forward's two halves
+        # (models.common.decoder.run_split).
+        self.overlap = "none"
         self.post_init()
 
-    # Whether `run_layers` calls each layer as a module (`layer(...)`), so that hooks on the layer (an FSDP
-    # unit, a compiled forward) see all of its work. False where it calls the layers' sub-blocks itself.
-    runs_layers_whole = True
+    @property
+    def runs_layers_whole(self) -> bool:
+        """Whether `run_layers` calls each layer as a module (`layer(...)`), so that hooks on the layer (an FSDP
+        unit, a compiled forward) see all of its work. False where it calls the layers' sub-blocks itself: under a
+        splitting overlap schedule (each layer's `split_layer`), and in the trunks that wait elsewhere."""
+        return self.overlap == "none"
 
     def make_layer(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -162,6 +170,8 @@ class ZooDecoderModel(ZooPreTrainedModel):
         returns `(hidden_states, {name: scalar loss})`, each loss already weighted: the LM head adds them
         to the loss as they are.
         """
+        if runs_split(self.overlap, hidden_states):
+            return run_split(self.layers, self.overlap, hidden_states, position_embeddings, attention_mask, cache)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache)
         return hidden_states

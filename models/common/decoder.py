@@ -9,6 +9,8 @@ names are Hugging Face Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_laye
 (ScMoE's MoE block).
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -75,16 +77,42 @@ SPLITS = {"token_split": (batch_halves, 0), "seq_split": (sequence_halves, 1)}
 
 
 def runs_split(overlap: str, hidden_states) -> bool:
-    """Whether a layer under `overlap` runs this forward split: token_split always (it refuses a batch of one);
+    """Whether a trunk under `overlap` runs this forward split: token_split always (it refuses a batch of one);
     seq_split when the forward has two tokens or more (a decode step's one token runs unsplit: ISO overlaps the
     prefill)."""
     return overlap == "token_split" or (overlap == "seq_split" and hidden_states.shape[1] > 1)
 
 
-def split_inputs(overlap: str, hidden_states, position_embeddings, attention_mask, cache) -> tuple[list[tuple], int]:
-    """The two halves of a layer's inputs under the splitting schedule `overlap`, and the dimension to join along."""
-    halves, dim = SPLITS[overlap]
-    return halves(hidden_states, position_embeddings, attention_mask, cache), dim
+@dataclass(frozen=True)
+class Split:
+    """One forward under a splitting schedule: each half's layer inputs besides its stream, `(position_embeddings,
+    attention_mask, cache)`, the same at every layer, and the dimension the halves join along at the end."""
+
+    schedule: str
+    dim: int
+    halves: tuple[tuple, tuple]
+
+
+def run_split(layers, schedule: str, hidden_states, position_embeddings, attention_mask, cache, aux=None):
+    """The layers over the two halves of a forward under the splitting schedule `schedule`, split once and joined
+    once. Each layer's `split_layer(x0, x1, carried, split)` runs its sub-blocks on the halves in turn and returns
+    `(x0, x1, carried)` (an MoE layer: and its aux dict, appended to `aux`): half 1's last collective of the layer
+    is still in flight (`carried`), waited by the next layer behind half 0's first sub-block, so a layer boundary
+    does not expose it (TokenWeave's and Domino's cross-layer overlap); the last layer's is waited before the
+    join."""
+    parts, dim = SPLITS[schedule]
+    (x0, *rest0), (x1, *rest1) = parts(hidden_states, position_embeddings, attention_mask, cache)
+    split, carried = Split(schedule, dim, (tuple(rest0), tuple(rest1))), None
+    for layer in layers:
+        x0, x1, carried, *extra = layer.split_layer(x0, x1, carried, split)
+        if extra and aux is not None:
+            aux.append(extra[0])
+    return torch.cat([x0, add_pending(x1, carried)], dim=dim)
+
+
+def add_pending(x, pending):
+    """`x` plus a collective's result once it is waited (`pending.wait()`); `x` itself where nothing is pending."""
+    return x if pending is None else x + pending.wait()
 
 
 class PreNormAttention:
@@ -115,7 +143,6 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None  # set by parallel.parallelize; None = single device
-        self.overlap = "none"  # set by parallel.set_overlap: "token_split" / "seq_split" run `split_forward`
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """The layer's feed-forward, `mlp`: Llama's SwiGLU."""
@@ -132,29 +159,26 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        if runs_split(self.overlap, hidden_states):
-            return self.split_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         mlp_out = self.mlp_block(hidden_states)
         return hidden_states + comm.all_reduce(mlp_out, self.tp_group).wait()
 
-    def split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        """The same block over two halves that take turns (parallel/overlap.py): the batch's halves (token_split)
-        or the sequence's chunks (seq_split). Each half's all-reduce is issued as soon as its sub-block is done and
-        waited only after the other half's next sub-block, so three of the layer's four all-reduces run behind
-        compute; the last one is waited at the end of the layer. Every token sees the same computation as in
-        `forward`: with a KV cache each batch half writes and reads its own rows of it
+    def split_layer(self, x0, x1, carried, split: Split):
+        """The block over the two halves of a split forward, in turn (`run_split`; parallel/overlap.py): the batch's
+        halves (token_split) or the sequence's chunks (seq_split). Each half's all-reduce is issued as soon as its
+        sub-block is done and waited only after the other half's next sub-block: the previous layer's last one
+        (half 1's MLP, `carried`) behind half 0's attention, half 0's attention behind half 1's, half 1's behind half
+        0's MLP, half 0's MLP behind half 1's; half 1's MLP is returned in flight. Every token sees the same
+        computation as in `forward`: with a KV cache each batch half writes and reads its own rows of it
         (models.common.cache.BatchSplit), and the second chunk of a sequence attends to the first's keys."""
-        ((x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1)), dim = split_inputs(
-            self.overlap, hidden_states, position_embeddings, attention_mask, cache
-        )
+        (pos0, mask0, cache0), (pos1, mask1, cache1) = split.halves
         attn0 = comm.all_reduce(self.attention_block(x0, pos0, mask0, cache0), self.tp_group)
+        x1 = add_pending(x1, carried)  # the previous layer's half 1 MLP all-reduce ran behind half 0's attention
         attn1 = comm.all_reduce(self.attention_block(x1, pos1, mask1, cache1), self.tp_group)
         x0 = x0 + attn0.wait()  # half 0's all-reduce ran behind half 1's attention
         mlp0 = comm.all_reduce(self.mlp_block(x0), self.tp_group)
         x1 = x1 + attn1.wait()  # half 1's behind half 0's MLP
         mlp1 = comm.all_reduce(self.mlp_block(x1), self.tp_group)
-        x0 = x0 + mlp0.wait()  # half 0's behind half 1's MLP
-        return torch.cat([x0, x1 + mlp1.wait()], dim=dim)
+        return x0 + mlp0.wait(), x1, mlp1  # half 0's behind half 1's MLP; half 1's waited by the next layer

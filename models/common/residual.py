@@ -28,6 +28,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from models.common.decoder import run_split, runs_split
 from models.registry import Converter, config_summary
 from parallel import comm
 
@@ -189,8 +190,9 @@ class ResidualSchedule:
 
     @property
     def runs_layers_whole(self) -> bool:
-        # Under the ladder schedule the trunk calls the layers' sub-blocks itself (FSDP units, AC regions follow).
-        return self.config.residual != "ladder"
+        # Under the ladder schedule (and a splitting overlap schedule) the trunk calls the layers' sub-blocks
+        # itself (FSDP units, AC regions follow).
+        return self.config.residual != "ladder" and self.overlap == "none"
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
         return self.run_schedule(hidden_states, position_embeddings, attention_mask, cache)
@@ -198,6 +200,8 @@ class ResidualSchedule:
     def run_schedule(self, hidden_states, position_embeddings, attention_mask, cache, aux=None):
         """The layers under the config's schedule; layers returning `(x, aux dict)` have the dicts appended to
         `aux` (for a trunk that pools auxiliary losses over its layers)."""
+        if runs_split(self.overlap, hidden_states):  # parallel/overlap.py (refused under the ladder schedule)
+            return run_split(self.layers, self.overlap, hidden_states, position_embeddings, attention_mask, cache, aux)
         if self.config.residual == "ladder":
             laddered = laddered_indices(self.config.ladder_layers, self.config.num_hidden_layers)
             return run_ladder(self.layers, laddered, hidden_states, position_embeddings, attention_mask, cache, aux)

@@ -23,5 +23,5 @@ class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
 
 class ZooLlamaForCausalLM(ZooLlamaPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLlamaModel
-    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: its layers run PreNormDecoderLayer.forward
+    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: PreNormDecoderLayer.split_layer
     shard_plan = PLAN

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from models.common import PreNormDecoderLayer, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.decoder import runs_split, split_inputs
+from models.common.decoder import Split, add_pending
 from models.common.moe import (
     MoeDispatchMixin,
     SparseMoE,
@@ -48,6 +48,17 @@ from models.common.residual import ResidualSchedule
 from models.moe.configuration import ZooMoeConfig
 from models.moe.sharding import PLAN
 from parallel import comm
+
+
+class _Combine:
+    """A split MoE layer's combine all-to-all of half 1, still in flight: `wait()` gives its output, shaped as the
+    half's stream."""
+
+    def __init__(self, pending, shape):
+        self.pending, self.shape = pending, shape
+
+    def wait(self):
+        return self.pending.combine().view(self.shape)
 
 
 class MoeDecoderLayer(PreNormDecoderLayer):
@@ -69,8 +80,6 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         self.token_mask = None  # [B, T] padding mask of the current forward, for the "hf" balance loss
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        if runs_split(self.overlap, hidden_states):
-            return self.split_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
         if not self.is_moe:
@@ -81,20 +90,21 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         moe_out, aux = self.mlp(self.post_attention_layernorm(hidden_states), token_mask=self.token_mask)
         return hidden_states + moe_out, aux
 
-    def split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        """The same layer over two halves that take turns, the batch's (token_split) or the sequence's (seq_split)
-        (parallel/overlap.py; DeepSeek's and SGLang's two-batch overlap): half 0's TP all-reduce runs behind half
-        1's attention, half 1's dispatch all-to-all behind half 0's experts and half 0's combine behind half 1's
-        experts. The router sees each token as in `forward`, and the balance loss is taken once over both halves'
-        routing (in the unsplit layer's token order), so the loss is the unsplit layer's; a capacity (which depends
-        on how many tokens a forward routes) is refused. A dense layer runs the shared block's split."""
+    def split_layer(self, x0, x1, carried, split: Split):
+        """The layer over the two halves of a split forward, in turn, the batch's (token_split) or the sequence's
+        (seq_split) (models.common.decoder.run_split; DeepSeek's and SGLang's two-batch overlap): the previous
+        layer's last collective of half 1 (`carried`) runs behind half 0's attention, half 0's TP all-reduce behind
+        half 1's attention, half 1's dispatch all-to-all behind half 0's experts and half 0's combine behind half
+        1's experts; half 1's combine is returned in flight, for the next layer. The router sees each token as in
+        `forward`, and the balance loss is taken once over both halves' routing (in the unsplit layer's token
+        order), so the loss is the unsplit layer's; a capacity (which depends on how many tokens a forward routes)
+        is refused. A dense layer runs the shared block's split."""
         if not self.is_moe:
-            return super().split_forward(hidden_states, position_embeddings, attention_mask, cache), {}
-        check_split_capacity(self.mlp, self.overlap)
-        ((x0, pos0, mask0, cache0), (x1, pos1, mask1, cache1)), dim = split_inputs(
-            self.overlap, hidden_states, position_embeddings, attention_mask, cache
-        )
+            return (*super().split_layer(x0, x1, carried, split), {})
+        check_split_capacity(self.mlp, split.schedule)
+        (pos0, mask0, cache0), (pos1, mask1, cache1) = split.halves
         attn0 = comm.all_reduce(self.attention_block(x0, pos0, mask0, cache0), self.tp_group)
+        x1 = add_pending(x1, carried)  # the previous layer's last collective of half 1, behind half 0's attention
         attn1 = comm.all_reduce(self.attention_block(x1, pos1, mask1, cache1), self.tp_group)
         x0 = x0 + attn0.wait()  # behind half 1's attention
         moe0, routing0 = self.mlp.dispatch(self.post_attention_layernorm(x0).flatten(0, -2))  # all-to-all issued
@@ -103,14 +113,14 @@ class MoeDecoderLayer(PreNormDecoderLayer):
         moe0.compute()  # waits half 0's dispatch; its experts; its combine issued
         moe1.compute()  # waits half 1's dispatch (behind half 0's experts); its experts; its combine issued
         x0 = x0 + moe0.combine().view(x0.shape)  # half 0's combine ran behind half 1's experts
-        x1 = x1 + moe1.combine().view(x1.shape)
+
         def join(t0, t1):  # both halves' token-major routing ([T, E] or [T * k]) in the unsplit layer's token order
             halves = [t.unflatten(0, (*x.shape[:2], -1)) for t, x in ((t0, x0), (t1, x1))]
-            return torch.cat(halves, dim=dim).flatten(0, 2)
+            return torch.cat(halves, dim=split.dim).flatten(0, 2)
 
         whole = replace(routing0, probs=join(routing0.probs, routing1.probs),
                         expert_idx=join(routing0.expert_idx, routing1.expert_idx))  # fmt: skip
-        return torch.cat([x0, x1], dim=dim), self.mlp.aux(whole, token_mask=self.token_mask)
+        return x0, x1, _Combine(moe1, x1.shape), self.mlp.aux(whole, token_mask=self.token_mask)
 
     def mlp_in_flight(self, hidden_states):
         """The MLP sub-block with its last collective still in flight, for the ladder schedule: a dense layer's
@@ -198,4 +208,4 @@ class ZooMoeModel(ZooMoePreTrainedModel, ResidualSchedule, ZooDecoderModel):
 class ZooMoeForCausalLM(ZooMoePreTrainedModel, ZooForCausalLM):
     base_model_class = ZooMoeModel
     shard_plan = PLAN
-    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: MoeDecoderLayer.split_forward
+    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: MoeDecoderLayer.split_layer

@@ -1,41 +1,44 @@
 """Parallel attention + MLP block (GPT-J, PaLM): x = x + Attn(LN(x)) + MLP(LN(x))."""
 
-import torch
 from torch import nn
 
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.decoder import runs_split, split_inputs
+from models.common.decoder import Split, add_pending
 from models.parallel_block.configuration import ZooParallelConfig
 from models.parallel_block.sharding import PLAN
 from parallel import comm
 
 
 class ParallelDecoderLayer(nn.Module):
+    # The layer's one sub-block, a unit of activation checkpointing where the trunk calls it directly (a split
+    # forward, `split_layer`) as well as inside `forward`.
+    checkpoint_methods = ("parallel_block",)
+
     def __init__(self, config: ZooParallelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention.from_config(config, layer_idx)
         self.mlp = SwiGLUMLP.from_config(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp_group = None
-        self.overlap = "none"  # set by parallel.set_overlap: "token_split" / "seq_split" run `split_forward`
+
+    def parallel_block(self, hidden_states, position_embeddings, attention_mask, cache):
+        """Attn(LN(x)) + MLP(LN(x)): under TP a partial, un-reduced sum."""
+        h = self.input_layernorm(hidden_states)
+        return self.self_attn(h, position_embeddings, attention_mask, cache) + self.mlp(h)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        if runs_split(self.overlap, hidden_states):
-            return self.split_forward(hidden_states, position_embeddings, attention_mask, cache)
-        h = self.input_layernorm(hidden_states)
-        partial = self.self_attn(h, position_embeddings, attention_mask, cache) + self.mlp(h)
+        partial = self.parallel_block(hidden_states, position_embeddings, attention_mask, cache)
         return hidden_states + comm.all_reduce(partial, self.tp_group).wait()
 
-    def split_forward(self, hidden_states, position_embeddings, attention_mask, cache):
-        """The block over two halves of the batch or two chunks of the sequence (parallel/overlap.py): the first
-        half's all-reduce runs behind the second half's attention and MLP; the second half's is waited at the end
-        of the layer."""
-        halves, dim = split_inputs(self.overlap, hidden_states, position_embeddings, attention_mask, cache)
-        pending = []
-        for x, pos, mask, half_cache in halves:
-            h = self.input_layernorm(x)
-            pending.append(comm.all_reduce(self.self_attn(h, pos, mask, half_cache) + self.mlp(h), self.tp_group))
-        return torch.cat([x + p.wait() for (x, *_), p in zip(halves, pending, strict=True)], dim=dim)
+    def split_layer(self, x0, x1, carried, split: Split):
+        """The block over the two halves of a split forward, in turn (models.common.decoder.run_split): the previous
+        layer's half 1 all-reduce (`carried`) runs behind half 0's block, half 0's behind half 1's; half 1's is
+        returned in flight, for the next layer."""
+        (pos0, mask0, cache0), (pos1, mask1, cache1) = split.halves
+        out0 = comm.all_reduce(self.parallel_block(x0, pos0, mask0, cache0), self.tp_group)
+        x1 = add_pending(x1, carried)
+        out1 = comm.all_reduce(self.parallel_block(x1, pos1, mask1, cache1), self.tp_group)
+        return x0 + out0.wait(), x1, out1
 
 
 class ZooParallelPreTrainedModel(ZooPreTrainedModel):
