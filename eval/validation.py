@@ -67,6 +67,7 @@ def finish_row(row: dict) -> dict:
     row.setdefault("sensitivity", [])
     row.setdefault("lacks", "")
     row.setdefault("notes", [])
+    row.setdefault("comparable", True)  # False: the paper's setting could not be read; the row's is assumed
     return row
 
 
@@ -175,7 +176,7 @@ def markdown(result: dict, image: Path) -> str:
         f"(ratio = predicted / published). Within: {', '.join(within) or 'none'}; missed: {', '.join(missed) or 'none'}.",
         "",
         report.write_markdown_table(
-            [{"paper": r["paper"], "headline": r["headline"], "published": r["published"], "predicted": r["predicted"],
+            [{"paper": r["paper"] + ("" if r["comparable"] else " (**not at its setting**: assumed)"), "headline": r["headline"], "published": r["published"], "predicted": r["predicted"],
               "ratio": _fmt(r["ratio"]), "within": {True: "yes", False: "**no**", None: "n/a"}[r["within"]],
               "lacks": _short(r["lacks"]) + " (below)" if r["lacks"] else "-"} for r in rows],
             ["paper", "headline", "published", "predicted", "ratio", "within", "lacks"],
@@ -194,8 +195,10 @@ def markdown(result: dict, image: Path) -> str:
         "NVLink, gpt-fast, compiled, CUDA graphs) at one model family, decode and prefill; they do not show it "
         "predicts anything else.",
         *[f"- {r['paper']}: " + ("no published number beside this run." if r["within"] is None else
-          "headline predicted within the target at its own setting." + (f" What misses: {_short(r['lacks'])} (its section)." if r["lacks"] else "")
-          if r["within"] else f"headline missed ({r['ratio']:.2f}x of the published ratio): {_short(r['lacks'])} (its section).") for r in rows],  # fmt: skip
+          ("headline predicted within the target at its own setting." if r["comparable"] else
+           "headline predicted within the target at settings assumed, not the paper's (its section).") + (f" What misses: {_short(r['lacks'])} (its section)." if r["lacks"] else "")
+          if r["within"] else f"headline missed ({r['ratio']:.2f}x of the published ratio"
+          + ("" if r["comparable"] else ", at settings assumed, not the paper's") + f"): {_short(r['lacks'])} (its section).") for r in rows],  # fmt: skip
         "",
     ]
     for r in rows:

@@ -13,10 +13,11 @@ class DevicePreset:
     hbm_Bps: float  # HBM bandwidth, bytes/s
     note: str = ""
     sms: int = 0  # streaming multiprocessors (spec sheet); 0: unknown (no wave quantisation possible)
-    sm: str = ""  # CUDA architecture ("sm_90": Hopper; "sm_80": Ampere), for measured kernel tables; "": unknown
+    sm: str = ""  # CUDA architecture ("sm_90": Hopper; "sm_89": Ada; "sm_80": Ampere), for measured kernel tables; "": unknown
 
 
-# SM counts: NVIDIA's spec sheets / architecture whitepapers (H100 SXM5 and H200: 132; A100 and A800: 108; A30: 56).
+# SM counts: NVIDIA's spec sheets / architecture whitepapers (H100 SXM5 and H200: 132; A100 and A800: 108; A30: 56;
+# RTX 4090: 128).
 DEVICES: dict[str, DevicePreset] = {
     "h100-sxm": DevicePreset("h100-sxm", 989e12, 3.35e12, "H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3", 132, "sm_90"),
     "h200": DevicePreset("h200", 989e12, 4.8e12, "H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e", 132, "sm_90"),
@@ -24,6 +25,7 @@ DEVICES: dict[str, DevicePreset] = {
     # The held-out papers' GPUs (eval.simulator.heldout), from the spec sheets only (nothing fitted on them):
     "a100-40gb": DevicePreset("a100-40gb", 312e12, 1.555e12, "A100 SXM4 40GB datasheet: 312 TFLOP/s dense bf16, 1.555 TB/s HBM2", 108, "sm_80"),
     "a800": DevicePreset("a800", 312e12, 2.039e12, "A800 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e (NVLink cut to 400 GB/s)", 108, "sm_80"),
+    "rtx4090": DevicePreset("rtx4090", 165.2e12, 1.008e12, "GeForce RTX 4090 24GB (Ada whitepaper): 165.2 TFLOP/s dense bf16 with fp32 accumulate, 1,008 GB/s GDDR6X", 128, "sm_89"),
     "a30": DevicePreset("a30", 165e12, 0.933e12, "A30 PCIe 24GB datasheet: 165 TFLOP/s dense bf16, 933 GB/s HBM2", 56, "sm_80"),
 }  # fmt: skip
 

@@ -37,7 +37,7 @@ def _numbers(result: dict) -> dict:
 
 def test_the_config_names_every_held_out_paper():
     assert tuple(_cfg()["papers"]) == heldout.PAPERS
-    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record', 'tokenweave'\]"):
+    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record', 'tokenweave', 'iso'\]"):
         heldout.module("gpt5")
 
 
@@ -72,11 +72,13 @@ def test_quick_report_twice_identical(tmp_path):
     assert [c["label"].split(",")[0] for c in lasp2["cells"][:2]] == ["LASP-2 over LASP-1", "LASP-2 over ring attention"]
     assert {"bf16", "fsdp", "model only"} <= {s["value"] for s in lasp2["sensitivity"]}
     assert heldout.module("lasp2").PUBLISHED == {"lasp1": 1.152, "ring": 1.366}
+    # ISO's settings could not be read: its row says it runs at assumed ones, in the row and in the report.
+    assert rows["iso"]["comparable"] is False and all(r["comparable"] for k, r in rows.items() if k != "iso")
     cells = first["ladder"]["cells"]
     assert len([c for c in cells if c["kind"] == "tokens/s"]) == 16 and len([c for c in cells if c["kind"] == "prefill ms"]) == 15
     readme = (tmp_path / "a" / "README.md").read_text()
     for text in ("# Speed simulator validation", "## Headlines", "| paper | headline | published | predicted | ratio |",
-                 "## What this validates and what it does not", "**quick**"):
+                 "## What this validates and what it does not", "**quick**", "ISO (Xiao and Su, arXiv 2409.11155) (**not at its setting**: assumed)"):
         assert text in readme
     assert (tmp_path / "a" / "validation.png").stat().st_size > 1000
     assert (tmp_path / "a" / "ladder" / "README.md").exists()

@@ -25,6 +25,7 @@ and the row it returns:
       "sensitivity": [{"effect": ..., "value": ..., "predicted": float}, ...],   # evidence for a miss
       "lacks": "" or "the effect the model lacks, with the sensitivity run that shows it",
       "notes": ["...", ...],
+      "comparable": True,              # optional; False where the paper's setting could not be read and is assumed
     }
 
 Training rows (LASP-2; ScMoE's training speed-ups; torchtitan's tables) replay whole training steps with
@@ -43,10 +44,11 @@ from omegaconf import OmegaConf
 from eval.simulator.device import DeviceModel
 
 TARGET = 0.15  # each headline speed-up within 15% of the published ratio
-# The keys of a row (above); eval.validation fills the last three with empty values when a row leaves them out.
-ROW_KEYS = ("paper", "source", "headline", "setting", "published", "predicted", "cells", "sensitivity", "lacks", "notes")
-OPTIONAL_KEYS = ("sensitivity", "lacks", "notes")
-PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record", "tokenweave")
+# The keys of a row (above); eval.validation fills the optional ones with their defaults when a row leaves them out.
+ROW_KEYS = ("paper", "source", "headline", "setting", "published", "predicted", "cells", "sensitivity", "lacks", "notes",
+            "comparable")  # fmt: skip
+OPTIONAL_KEYS = ("sensitivity", "lacks", "notes", "comparable")
+PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record", "tokenweave", "iso")
 _BENCH_YAML = Path(__file__).resolve().parents[3] / "conf" / "bench.yaml"
 
 
