@@ -184,7 +184,7 @@ def costmodel(rel: str) -> list[str]:
         f"| overhead per kernel | {c['kernel_overhead_us']:.2f} us |",
         f"| contention of overlapped communication (latency-bound / bandwidth-bound) | {c['contention']:.2f} / "
         f"{c['contention_bw']:.2f} |",
-        f"| NVLink latency | {c['link_base_us']:.1f} us + {c['link_alpha_us']:.1f} us per hop |",
+        f"| NVLink latency (held: the nvlink-h100 preset's, not refitted) | {c['link_base_us']:.1f} us + {c['link_alpha_us']:.1f} us per hop |",
         f"| per collective launched outside a CUDA graph (held: read off the record) | {c['collective_launch_us']:.1f} us |",
         f"| tokens/s cells: worst error, mean abs log-ratio | {report['worst_tok_s_error']:.1%}, {errors['all_tok_s']:.3f} |",
         f"| prefill cells: mean abs log-ratio | {errors['all_prefill']:.3f} |",

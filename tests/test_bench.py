@@ -312,7 +312,7 @@ def test_device_preset_runs_a_gpu_shape_on_meta(tmp_path):
 
 
 def test_an_unknown_compute_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"Unknown compute='tpu'; choose 'measured' .* \['a100-40gb', 'a100-sxm', 'a30', 'a800', 'h100-sxm', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"Unknown compute='tpu'; choose 'measured' .* \['a100-40gb', 'a100-sxm', 'a30', 'a800', 'h100-sxm', 'h200', 'rtx4090'\]"):
         check_settings(bench_settings("compute=tpu"))
     with pytest.raises(ValueError, match=r"eff_hbm=0.0 must be in \(0, 1\]"):
         check_settings(bench_settings("compute=h100-sxm", "device_model.eff_hbm=0"))

@@ -134,7 +134,7 @@ def test_moving_one_wait_in_forward_changes_the_prediction(monkeypatch):
 
 def test_a_device_preset_is_named_or_a_clear_error():
     assert get_device("h100-sxm").hbm_Bps == 3.35e12
-    with pytest.raises(ValueError, match=r"Unknown device preset 'tpu'; choose one of \['a100-40gb', 'a100-sxm', 'a30', 'a800', 'h100-sxm', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"Unknown device preset 'tpu'; choose one of \['a100-40gb', 'a100-sxm', 'a30', 'a800', 'h100-sxm', 'h200', 'rtx4090'\]"):
         get_device("tpu")
     with pytest.raises(ValueError, match=r"eff_hbm=0 must be in \(0, 1\]"):
         DeviceModel(get_device("h100-sxm"), eff_hbm=0)
