@@ -159,7 +159,7 @@ def validation(rel: str) -> list[str]:
     ]
     for row in report["heldout"]:
         lines.append(
-            f"| {row['paper'].split(' (')[0]} (held out{'' if row.get('comparable', True) else ', not at its setting: assumed'}) "
+            f"| {row['paper'].split(' (')[0]} (held out{'' if row['comparable'] else ', not at its setting: assumed'}) "
             f"| {_x(row['published'])} | {_x(row['predicted'])} "
             f"| {row['ratio']:.2f} | {'yes' if row['within'] else '**no**'} |"
         )

@@ -28,7 +28,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from models.common.decoder import run_split, runs_split
+from models.common.decoder import add_pending, run_split, runs_split
 from models.registry import Converter, config_summary
 from parallel import comm
 
@@ -93,16 +93,16 @@ def run_ladder(layers, laddered: frozenset[int], hidden_states, position_embeddi
     attn_pending = mlp_pending = None  # collectives in flight from the previous laddered layer
     for i, layer in enumerate(layers):
         if i not in laddered:
-            x = _add(_add(x, attn_pending), mlp_pending)
+            x = add_pending(add_pending(x, attn_pending), mlp_pending)
             attn_pending = mlp_pending = None
             x = stack.call(layer, layer, x, position_embeddings, attention_mask, cache)
             continue
-        x = _add(x, attn_pending)  # wait for layer i-1's attention output
+        x = add_pending(x, attn_pending)  # wait for layer i-1's attention output
         attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
         attn_pending = comm.all_reduce(attn_out, layer.tp_group)  # overlaps this layer's MLP
-        x = _add(x, mlp_pending)  # wait for layer i-1's MLP output
+        x = add_pending(x, mlp_pending)  # wait for layer i-1's MLP output
         mlp_pending = stack.call(layer, layer.mlp_in_flight, x)  # overlaps the next attention
-    return _add(_add(x, attn_pending), mlp_pending)
+    return add_pending(add_pending(x, attn_pending), mlp_pending)
 
 
 def run_standard(layers, hidden_states, position_embeddings, attention_mask, cache, aux=None):
@@ -133,10 +133,6 @@ class _Stack:
         if self.aux is not None:
             self.aux.append(extra)
         return value
-
-
-def _add(x, pending: "comm.Handle | None"):
-    return x if pending is None else x + pending.wait()
 
 
 def to_ladder(model_class, source: str | Path, ladder_layers=None, **kwargs):
@@ -192,7 +188,7 @@ class ResidualSchedule:
     def runs_layers_whole(self) -> bool:
         # Under the ladder schedule (and a splitting overlap schedule) the trunk calls the layers' sub-blocks
         # itself (FSDP units, AC regions follow).
-        return self.config.residual != "ladder" and self.overlap == "none"
+        return self.config.residual != "ladder" and super().runs_layers_whole
 
     def run_layers(self, hidden_states, position_embeddings, attention_mask, cache):
         return self.run_schedule(hidden_states, position_embeddings, attention_mask, cache)
