@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import models
 from eval.simulator.device import DeviceClock, DeviceModel, DevicePreset, get_device
 from eval.simulator.replay import NO_COMM, build_meta, record_generation, release
-from models.common import residual
 from models.common.cache import StaticKVLayer
+from models.common.decoder import add_pending
 from models.ladder import modeling as ladder_modeling
 from models.moepp.entry import k_eff
 from parallel import comm
@@ -119,11 +119,11 @@ def test_moving_one_wait_in_forward_changes_the_prediction(monkeypatch):
         # sub-block later (the attention's stays overlapped).
         x, attn_pending = hidden_states, None
         for layer in self.layers:
-            x = residual._add(x, attn_pending)
+            x = add_pending(x, attn_pending)
             attn_out = layer.attention_block(x, position_embeddings, attention_mask, cache)
             attn_pending = comm.all_reduce(attn_out, layer.tp_group)
             x = x + comm.all_reduce(layer.mlp_block(x), layer.tp_group).wait()
-        return residual._add(x, attn_pending)
+        return add_pending(x, attn_pending)
 
     monkeypatch.setattr(ladder_modeling.ZooLadderModel, "run_layers", run_layers)
     after = _record("ladder").predict(device, "pcie4")
