@@ -299,8 +299,9 @@ def ladder_quality(rel: str) -> list[str]:
 
 # The columns of the system-level overlap tables (at-scale runs): the standard model under each schedule, each
 # architecture (under a schedule where it takes one), and the standard model with its links free.
-DENSE_OVERLAP = ["llama+token_split", "llama+seq_split", "parallel", "parallel+token_split", "parallel+seq_split",
-                 "ladder", "kraken", "gqla", "llama (no communication)"]  # fmt: skip
+DENSE_OVERLAP = ["llama+token_split", "llama+seq_split", "llama+collective_matmul", "parallel", "parallel+token_split",
+                 "parallel+seq_split", "parallel+collective_matmul", "ladder", "kraken", "gqla",
+                 "llama (no communication)"]  # fmt: skip
 MOE_OVERLAP = ["moe+token_split", "moe+seq_split", "scmoe", "moe_ladder", "moe (no communication)"]
 OVERLAP_METRICS = (("speedup_total", "tokens/s"), ("speedup_prefill", "prefill (time to first token)"),
                    ("speedup_decode", "decode"))  # fmt: skip
@@ -321,7 +322,7 @@ def _overlap_matrix(rows: dict, runs: tuple, archs: list[str], key: str) -> list
 
 def system_overlap(rel: str) -> list[str]:
     """Each architecture's predicted speed-up over the standard model beside the standard model's own under the
-    system-level schedules (token_split, seq_split) and with its links free: the dense family at the 8B and 70B
+    system-level schedules (token_split, seq_split, collective_matmul) and with its links free: the dense family at the 8B and 70B
     shapes (TP 8), the MoE family at the 8B shape with 8 experts (EP 8), NVLink and PCIe, batch 1 and 16, for
     tokens/s, the prefill and decode; and a training step (the at-scale report's rows)."""
     rows = {(r["run"], r["arch"], r["batch"], r["at"]): r for r in _load(AT_SCALE)["rows"]}

@@ -14,6 +14,14 @@ the unchanged model after its shard layout:
   same layer, which are ready before it runs. Every forward of two tokens or more is split (prefill, training); a
   decode step's single token runs as `none`, having nothing to split.
 
+- `collective_matmul`: tensor parallelism with the residual stream sharded along the sequence over the TP ranks
+  between the first layer and the last (Megatron's sequence parallelism), the all-gather before each sub-block's
+  column-parallel linears and the reduce-scatter after its row-parallel one decomposed into ring steps hidden
+  behind the chunks' matmuls (PyTorch's async TP, Wang et al.'s collective matmul; parallel/collective_matmul.py).
+  The trunk shards the stream on entry and gathers it after the last layer (`models.common.decoder.run_sequence_sharded`);
+  each layer runs its `forward(..., sequence_sharded=True)`. A forward of one token (a decode step) runs as
+  `none`; a longer one needs a multiple of the TP degree tokens.
+
 Under either split the trunk splits the forward once and joins the halves after the last layer
 (`models.common.decoder.run_split`); each layer runs its sub-blocks on the halves in turn, in its `split_layer`,
 where the waits are written (the standard block's `models.common.PreNormDecoderLayer.split_layer`, the parallel
@@ -34,9 +42,9 @@ logits, loss, gradients and cached decode against the unsplit model (fp64) and u
 
 from torch import nn
 
-SCHEDULES = ("none", "token_split", "seq_split")
+SCHEDULES = ("none", "token_split", "seq_split", "collective_matmul")
 # The fewest sequences a forward needs for the schedule to mean something (a batch split needs two halves).
-MIN_BATCH = {"none": 1, "token_split": 2, "seq_split": 1}
+MIN_BATCH = {"none": 1, "token_split": 2, "seq_split": 1, "collective_matmul": 1}
 
 
 def check_overlap(model_class: type, schedule: str, residual: str = "standard") -> None:

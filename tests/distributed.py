@@ -44,3 +44,15 @@ def run_ranks(fn, world_size: int, *args) -> None:
         _entry, args=(world_size, free_port(), dict(os.environ), fn, args), nprocs=world_size, join=True,
         start_method="forkserver",
     )
+
+
+def assert_shard_grads(grads: dict, full_grads: dict, rank: int, world_size: int, atol: float, label: str = "") -> None:
+    """Each of a sharded model's gradients equals the unsharded model's, or (a TP shard) this rank's slice of it."""
+    import torch
+
+    for name, grad in grads.items():
+        want = full_grads[name]
+        if want.shape != grad.shape:  # a TP shard: the rank's slice of the full gradient
+            (dim,) = [d for d, (a, b) in enumerate(zip(want.shape, grad.shape, strict=True)) if a != b]
+            want = want.chunk(world_size, dim=dim)[rank]
+        torch.testing.assert_close(grad, want, rtol=0, atol=atol, msg=lambda m, n=f"{label}{name}": f"{n}: {m}")

@@ -12,7 +12,7 @@ import torch
 import models
 import parallel
 from parallel import comm
-from tests.distributed import run_ranks
+from tests.distributed import assert_shard_grads, run_ranks
 
 TINY = dict(num_attention_heads=4, num_key_value_heads=2)
 
@@ -113,12 +113,7 @@ def _tp2_one(rank, world_size, mesh, arch, schedule, ac="none"):
     issued = comm.snapshot_counters()["all_reduce"]["calls"] - calls
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
-    for name, grad in grads.items():
-        ref = ref_grads[name]
-        if ref.shape != grad.shape:  # a TP shard: the rank's slice of the full gradient
-            (dim,) = [d for d, (a, b) in enumerate(zip(ref.shape, grad.shape, strict=True)) if a != b]
-            ref = ref.chunk(world_size, dim=dim)[rank]
-        torch.testing.assert_close(grad, ref, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert_shard_grads(grads, ref_grads, rank, world_size, 1e-5)
     # Every all-reduce of the unsplit model, forward and backward, once per half.
     unsplit = parallel.parallelize(_llama(torch.float32, arch=arch), mesh)
     assert issued == 2 * _all_reduces(unsplit, ids), (arch, schedule)
@@ -157,7 +152,7 @@ def test_each_half_waits_after_the_other_halfs_sub_block(schedule):
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split', 'seq_split'\]"):
+    with pytest.raises(ValueError, match=r"overlap='tokensplit' is not a schedule; choose one of \['none', 'token_split', 'seq_split', 'collective_matmul'\]"):
         parallel.check_overlap(models.get("llama").model_class, "tokensplit")
     for schedule in SPLITS:
         for name in sorted(set(models.ZOO) - set(SPLIT_ARCHS)):

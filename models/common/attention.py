@@ -116,10 +116,15 @@ class Attention(nn.Module):
         self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D] and k, v [B, H_kv, T, D] of `x` [B, T, hidden], q and k roped."""
-        bsz, q_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), position_embeddings)
+
+    def heads(self, q, k, v, position_embeddings):
+        """The projections [B, T, heads x D] as q [B, H, T, D] and k, v [B, H_kv, T, D], q and k roped (`project`'s
+        second half, for a caller that computes the projections itself: parallel/collective_matmul.py)."""
+        bsz, q_len, _ = q.shape
+        q = q.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         if position_embeddings is not None:  # None: a model without rotary (NoPE; the mask alone is causal)
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)

@@ -37,7 +37,7 @@ from models.common.cache import (
     is_static,
     make_static_causal_mask,
 )
-from models.common.decoder import run_split, runs_split
+from models.common.decoder import run_sequence_sharded, run_split, runs_sequence_sharded, runs_split
 from models.common.norm import RMSNorm
 from models.common.pretrained import ZooPreTrainedModel
 from models.common.rotary import RotaryEmbedding
@@ -103,7 +103,8 @@ class ZooDecoderModel(ZooPreTrainedModel):
         self.rotary_emb = self.make_rotary(config)  # None: no RoPE anywhere in the model
         # The system-level overlap schedule (parallel/overlap.py), set by parallel.set_overlap: under
         # "token_split" / "seq_split" `run_layers` runs the layers over the forward's two halves
-        # (models.common.decoder.run_split).
+        # (models.common.decoder.run_split), under "collective_matmul" on the sequence's chunks
+        # (models.common.decoder.run_sequence_sharded).
         self.overlap = "none"
         self.post_init()
 
@@ -112,7 +113,7 @@ class ZooDecoderModel(ZooPreTrainedModel):
         """Whether `run_layers` calls each layer as a module (`layer(...)`), so that hooks on the layer (an FSDP
         unit, a compiled forward) see all of its work. False where it calls the layers' sub-blocks itself: under a
         splitting overlap schedule (each layer's `split_layer`), and in the trunks that wait elsewhere."""
-        return self.overlap == "none"
+        return self.overlap in ("none", "collective_matmul")
 
     def make_layer(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -172,6 +173,8 @@ class ZooDecoderModel(ZooPreTrainedModel):
         """
         if runs_split(self.overlap, hidden_states):
             return run_split(self.layers, self.overlap, hidden_states, position_embeddings, attention_mask, cache)
+        if runs_sequence_sharded(self.overlap, hidden_states):
+            return run_sequence_sharded(self.layers, hidden_states, position_embeddings, attention_mask, cache)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, attention_mask, cache)
         return hidden_states

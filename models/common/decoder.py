@@ -19,6 +19,13 @@ from models.common.cache import BatchSplit, ChunkKV, is_static
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
 from parallel import comm
+from parallel.collective_matmul import (
+    all_gather_linears,
+    gather_from_sequence,
+    linear_reduce_scatter,
+    scatter_to_sequence,
+    sequence_norm,
+)
 from parallel.overlap import MIN_BATCH
 
 
@@ -110,6 +117,31 @@ def run_split(layers, schedule: str, hidden_states, position_embeddings, attenti
     return torch.cat([x0, add_pending(x1, carried)], dim=dim)
 
 
+def runs_sequence_sharded(overlap: str, hidden_states) -> bool:
+    """Whether a trunk under `overlap` shards this forward's stream along the sequence: collective_matmul with two
+    tokens or more (a decode step's one token runs as `none`)."""
+    return overlap == "collective_matmul" and hidden_states.shape[1] > 1
+
+
+def run_sequence_sharded(layers, hidden_states, position_embeddings, attention_mask, cache):
+    """The layers under the collective_matmul schedule (parallel/overlap.py): the stream sharded along the sequence
+    over the tensor-parallel ranks on entry, each layer called on this rank's chunk (`sequence_sharded=True`), the
+    chunks gathered after the last layer. Positions, mask and cache are the whole sequence's: attention reads every
+    token's keys once the column-parallel linears have gathered them."""
+    group = layers[0].tp_group
+    x = scatter_to_sequence(hidden_states, group)
+    for layer in layers:
+        x = layer(x, position_embeddings, attention_mask, cache, sequence_sharded=True)
+    return gather_from_sequence(x, group)
+
+
+def gathered_attention(attn: Attention, q, k, v, position_embeddings, attention_mask, cache):
+    """Attention's heads of this rank over the whole sequence, from its q / k / v projections gathered by
+    `all_gather_linears` (the collective_matmul schedule); the output before o_proj, [B, T, local heads x D]."""
+    out = attn.mix(*attn.heads(q, k, v, position_embeddings), attention_mask, cache)
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
 def add_pending(x, pending):
     """`x` plus a collective's result once it is waited (`pending.wait()`); `x` itself where nothing is pending."""
     return x if pending is None else x + pending.wait()
@@ -158,7 +190,9 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         residual schedule, models/common/residual.py): (pending, aux), `pending.wait()` the output to add."""
         return comm.all_reduce(self.mlp_block(hidden_states), self.tp_group), {}
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache, sequence_sharded=False):
+        if sequence_sharded:
+            return self.sequence_sharded_forward(hidden_states, position_embeddings, attention_mask, cache)
         attn_out = self.attention_block(hidden_states, position_embeddings, attention_mask, cache)
         # Standard block: the next sub-block reads this output, so the all-reduce is waited at once.
         hidden_states = hidden_states + comm.all_reduce(attn_out, self.tp_group).wait()
@@ -182,3 +216,15 @@ class PreNormDecoderLayer(PreNormAttention, nn.Module):
         x1 = x1 + attn1.wait()  # half 1's behind half 0's MLP
         mlp1 = comm.all_reduce(self.mlp_block(x1), self.tp_group)
         return x0 + mlp0.wait(), x1, mlp1  # half 0's behind half 1's MLP; half 1's waited by the next layer
+
+    def sequence_sharded_forward(self, x, position_embeddings, attention_mask, cache):
+        """The block on this rank's chunk `x` of the sequence (the collective_matmul schedule, `run_sequence_sharded`):
+        each sub-block gathers the normed chunks inside its column-parallel linears and reduce-scatters its output
+        inside its row-parallel one, ring step by ring step, each step waited behind a chunk's matmul
+        (parallel/collective_matmul.py); so nothing is all-reduced, and each sub-block's output is this chunk's."""
+        group, attn, mlp = self.tp_group, self.self_attn, self.mlp
+        q, k, v = all_gather_linears(sequence_norm(self.input_layernorm, x, group), [attn.q_proj, attn.k_proj, attn.v_proj], group)
+        out = gathered_attention(attn, q, k, v, position_embeddings, attention_mask, cache)
+        x = x + linear_reduce_scatter([(out, attn.o_proj)], group)
+        gate, up = all_gather_linears(sequence_norm(self.post_attention_layernorm, x, group), [mlp.gate_proj, mlp.up_proj], group)
+        return x + linear_reduce_scatter([(torch.nn.functional.silu(gate) * up, mlp.down_proj)], group)

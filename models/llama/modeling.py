@@ -23,5 +23,5 @@ class ZooLlamaModel(ZooLlamaPreTrainedModel, ZooDecoderModel):
 
 class ZooLlamaForCausalLM(ZooLlamaPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooLlamaModel
-    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py: PreNormDecoderLayer.split_layer
+    overlap_schedules = ("token_split", "seq_split", "collective_matmul")  # parallel/overlap.py: PreNormDecoderLayer
     shard_plan = PLAN

@@ -3,10 +3,11 @@
 from torch import nn
 
 from models.common import Attention, RMSNorm, SwiGLUMLP, ZooDecoderModel, ZooForCausalLM, ZooPreTrainedModel
-from models.common.decoder import Split, add_pending
+from models.common.decoder import Split, add_pending, gathered_attention
 from models.parallel_block.configuration import ZooParallelConfig
 from models.parallel_block.sharding import PLAN
 from parallel import comm
+from parallel.collective_matmul import all_gather_linears, linear_reduce_scatter, sequence_norm
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -26,7 +27,9 @@ class ParallelDecoderLayer(nn.Module):
         h = self.input_layernorm(hidden_states)
         return self.self_attn(h, position_embeddings, attention_mask, cache) + self.mlp(h)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache, sequence_sharded=False):
+        if sequence_sharded:
+            return self.sequence_sharded_forward(hidden_states, position_embeddings, attention_mask, cache)
         partial = self.parallel_block(hidden_states, position_embeddings, attention_mask, cache)
         return hidden_states + comm.all_reduce(partial, self.tp_group).wait()
 
@@ -39,6 +42,19 @@ class ParallelDecoderLayer(nn.Module):
         x1 = add_pending(x1, carried)
         out1 = comm.all_reduce(self.parallel_block(x1, pos1, mask1, cache1), self.tp_group)
         return x0 + out0.wait(), x1, out1
+
+
+    def sequence_sharded_forward(self, x, position_embeddings, attention_mask, cache):
+        """The block on this rank's chunk `x` of the sequence (the collective_matmul schedule,
+        models.common.decoder.run_sequence_sharded): the normed chunks gathered once inside the attention's and the
+        MLP's column-parallel linears, the two row-parallel outputs summed into one reduce-scatter, ring step by ring
+        step behind the chunks' matmuls (parallel/collective_matmul.py)."""
+        group, attn, mlp = self.tp_group, self.self_attn, self.mlp
+        h = sequence_norm(self.input_layernorm, x, group)
+        q, k, v, gate, up = all_gather_linears(h, [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj], group)
+        out = gathered_attention(attn, q, k, v, position_embeddings, attention_mask, cache)
+        act = nn.functional.silu(gate) * up
+        return x + linear_reduce_scatter([(out, attn.o_proj), (act, mlp.down_proj)], group)
 
 
 class ZooParallelPreTrainedModel(ZooPreTrainedModel):
@@ -54,5 +70,5 @@ class ZooParallelModel(ZooParallelPreTrainedModel, ZooDecoderModel):
 
 class ZooParallelForCausalLM(ZooParallelPreTrainedModel, ZooForCausalLM):
     base_model_class = ZooParallelModel
-    overlap_schedules = ("token_split", "seq_split")  # parallel/overlap.py
+    overlap_schedules = ("token_split", "seq_split", "collective_matmul")  # parallel/overlap.py
     shard_plan = PLAN
