@@ -15,8 +15,8 @@ returns its chunk from its row-parallel one:
   of a running sum: each step's partial product (the chunk the sum is for) computed while the previous sum is in
   flight. Backward: the all-gather of the output's gradient, each chunk's products computed while the next travels.
 
-The ring steps are `parallel.comm.send_recv` shifts (counted, timed on the simulated link, a functional
-all-to-all under torch.compile); each is waited right after the matmul it hides behind, in the loops below.
+The ring steps are `parallel.comm.send_recv` shifts (counted, and timed on the simulated link); each is waited
+right after the matmul it hides behind, in the loops below. This schedule under torch.compile is not tested.
 A sub-block's input and output are sequence chunks, so the all-reduce of plain TP is gone: its two halves are
 these gather and scatter. In comm's `none` mode a shift returns its input, so a rank computes the same P chunk
 products (the same per-rank compute) on meaningless values.
