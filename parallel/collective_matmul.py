@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
+from parallel.comm_reduce import compute_dtype
 
 
 def _size_rank(group) -> tuple[int, int]:
@@ -55,15 +56,9 @@ def ring_reduce_scatter(group, part) -> torch.Tensor:
         partial = part((r - 1 - step) % p)  # computed while the previous rank's running sum travels
         if total is not None:
             partial = partial + total.wait()
-        if step == p - 1:
-            return partial
-        total = comm.send_recv(partial, group)
-    raise AssertionError("unreachable")
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else x.dtype
+        if step < p - 1:
+            total = comm.send_recv(partial, group)
+    return partial
 
 
 class _AllGatherLinears(torch.autograd.Function):
@@ -85,7 +80,7 @@ class _AllGatherLinears(torch.autograd.Function):
         ring_gather(x.to(dtype), group, compute)
         ctx.group, ctx.dim, ctx.dtypes = group, dim, (x.dtype, [w.dtype for w, _ in pairs])
         ctx.save_for_backward(*chunks, *weights)
-        ctx.p = p
+        ctx.p = p  # how many of the saved tensors are chunks
         return tuple(torch.cat(o, dim=dim) for o in outs)
 
     @staticmethod
@@ -165,7 +160,7 @@ def all_gather_linears(x: torch.Tensor, linears: list[nn.Linear], group, dim: in
     """Each column-parallel linear of `linears` applied to the whole sequence, from this rank's chunk `x` of it:
     the all-gather along `dim` decomposed into ring steps behind the chunks' matmuls (module docstring)."""
     params = [t for linear in linears for t in (linear.weight, linear.bias)]
-    return _AllGatherLinears.apply(x, group, dim, _compute_dtype(x), *params)
+    return _AllGatherLinears.apply(x, group, dim, compute_dtype(x), *params)
 
 
 def linear_reduce_scatter(pairs: list[tuple[torch.Tensor, nn.Linear]], group, dim: int = 1) -> torch.Tensor:
@@ -175,7 +170,7 @@ def linear_reduce_scatter(pairs: list[tuple[torch.Tensor, nn.Linear]], group, di
         if linear.bias is not None:
             raise ValueError("linear_reduce_scatter takes row-parallel linears without a bias (parallel/tp.py).")
     ys = [y for y, _ in pairs]
-    return _LinearReduceScatter.apply(group, dim, _compute_dtype(ys[0]), len(pairs), *ys, *[m.weight for _, m in pairs])
+    return _LinearReduceScatter.apply(group, dim, compute_dtype(ys[0]), len(pairs), *ys, *[m.weight for _, m in pairs])
 
 
 def sequence_norm(norm: nn.Module, x: torch.Tensor, group) -> torch.Tensor:

@@ -242,16 +242,21 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> Handle:
     return Handle(_ReduceScatter.apply(x, group, dim))
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on `x` computes in: autocast's when it is on for `x`'s device (what nn.Linear under autocast
+    computes), else `x`'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else x.dtype
+
+
 def column_parallel_linears(x: torch.Tensor, linears, group) -> tuple[torch.Tensor, ...]:
     """`linear(copy_to_tp_region(x))` for each of `linears` (column-parallel shards reading one replicated input),
     computed as one autograd node whose backward hides the input gradient's all-reduce behind the weight
     gradients."""
     if not _active(group) or not torch.is_grad_enabled():  # no backward, nothing to hide
         return tuple(torch.nn.functional.linear(x, linear.weight, linear.bias) for linear in linears)
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else x.dtype
     params = [p for linear in linears for p in (linear.weight, linear.bias)]
-    return _ColumnParallelLinears.apply(x, group, _functional(), dtype, *params)
+    return _ColumnParallelLinears.apply(x, group, _functional(), compute_dtype(x), *params)
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

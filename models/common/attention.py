@@ -63,6 +63,11 @@ def make_causal_mask(
     return mask
 
 
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """An attention output [B, H, T, D] as [B, T, H x D], the output projection's input."""
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
 class Attention(nn.Module):
     """Multi-head attention with `num_key_value_heads` <= `num_heads` (GQA / MQA)."""
 
@@ -107,10 +112,8 @@ class Attention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        bsz, q_len, _ = x.shape
         q, k, v = self.project(x, position_embeddings)
-        out = self.mix(q, k, v, attention_mask, cache)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+        return self.o_proj(merge_heads(self.mix(q, k, v, attention_mask, cache)))
 
     def project(
         self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None

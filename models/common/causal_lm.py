@@ -37,7 +37,7 @@ from models.common.cache import (
     is_static,
     make_static_causal_mask,
 )
-from models.common.decoder import run_sequence_sharded, run_split, runs_sequence_sharded, runs_split
+from models.common.decoder import SPLITS, run_sequence_sharded, run_split, runs_sequence_sharded, runs_split
 from models.common.norm import RMSNorm
 from models.common.pretrained import ZooPreTrainedModel
 from models.common.rotary import RotaryEmbedding
@@ -113,7 +113,7 @@ class ZooDecoderModel(ZooPreTrainedModel):
         """Whether `run_layers` calls each layer as a module (`layer(...)`), so that hooks on the layer (an FSDP
         unit, a compiled forward) see all of its work. False where it calls the layers' sub-blocks itself: under a
         splitting overlap schedule (each layer's `split_layer`), and in the trunks that wait elsewhere."""
-        return self.overlap in ("none", "collective_matmul")
+        return self.overlap not in SPLITS
 
     def make_layer(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.common.attention import Attention, make_causal_mask
+from models.common.attention import Attention, make_causal_mask, merge_heads
 from models.common.cache import BatchSplit, ChunkKV, is_static
 from models.common.mlp import SwiGLUMLP
 from models.common.norm import RMSNorm
@@ -138,8 +138,7 @@ def run_sequence_sharded(layers, hidden_states, position_embeddings, attention_m
 def gathered_attention(attn: Attention, q, k, v, position_embeddings, attention_mask, cache):
     """Attention's heads of this rank over the whole sequence, from its q / k / v projections gathered by
     `all_gather_linears` (the collective_matmul schedule); the output before o_proj, [B, T, local heads x D]."""
-    out = attn.mix(*attn.heads(q, k, v, position_embeddings), attention_mask, cache)
-    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+    return merge_heads(attn.mix(*attn.heads(q, k, v, position_embeddings), attention_mask, cache))
 
 
 def add_pending(x, pending):

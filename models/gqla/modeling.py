@@ -48,6 +48,7 @@ from models.common import (
     ZooPreTrainedModel,
     apply_rotary_pos_emb,
 )
+from models.common.attention import merge_heads
 from models.common.cache import StaticKVLayer, cache_capacity, is_static
 from models.common.residual import ResidualSchedule
 from models.gqla.configuration import ATTN_PATHS, ZooGQLAConfig
@@ -177,7 +178,7 @@ class GroupQueryLatentAttention(nn.Module):
             out = self.absorbed_attention(q_nope, q_rope, latent, attention_mask, cache)
         else:
             out = self.grouped_attention(q_nope, q_rope, latent, attention_mask, cache)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+        return self.o_proj(merge_heads(out))
 
     def per_group(self, x: torch.Tensor, equation: str, weight: torch.Tensor) -> torch.Tensor:
         """Apply group g's matrix of `weight` [n_g, ., .] to the heads of group g: x [B, H, T, D] viewed as
