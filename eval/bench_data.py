@@ -1,4 +1,4 @@
-"""Benchmark of the data pipeline: `python -m eval.bench_data [sizes_gb=[0.2,2.0]] [out_dir=reports/data-pipeline]`.
+"""Benchmark of the data pipeline: `python -m eval.bench_data [sizes_gb=[0.2,2.0]] [out_dir=DIR] [overwrite=true]`.
 
 On the machine it runs on, for synthetic jsonl corpora of the given sizes (documents cut from the bundled
 corpus' lines at seeded random places, each numbered, so no two are alike):
@@ -32,7 +32,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from train.cli import one_sentence, one_sentence_errors
+from train.cli import one_sentence, one_sentence_errors, refuse_existing_output
 from train.data import LMDataModule, SourceSettings, prepare_corpus, read_manifest, shakespeare_works
 
 _MEASURE = """
@@ -173,6 +173,7 @@ def report(results: dict) -> str:
 def main(cfg: DictConfig) -> None:
     with one_sentence():
         work, out = Path(cfg.work_dir), Path(cfg.out_dir)
+        refuse_existing_output(out, bool(cfg.overwrite))  # one rule: a report is not replaced unasked
         out.mkdir(parents=True, exist_ok=True)
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "prepare": [], "train": [],
                    "settings": OmegaConf.to_container(cfg, resolve=True)}

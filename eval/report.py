@@ -8,7 +8,8 @@ the bench's rows and the simulator's validation mean the same by it: `hidden_fra
 Two rules hold for every file written here:
 
 - JSON is valid JSON: NaN and infinities become null (`json_safe`; Python's json would write bare `NaN`,
-  which other readers refuse);
+  which other readers refuse), and a path inside the repository is written relative to its root
+  (`repo_relative`), so that a committed report holds no path of the machine it ran on;
 - a series has one look in every figure of a report: its colour (and marker) come from the architecture or
   method its label names (`series_style`, a fixed table: `STYLES`), not from the order it was plotted in;
   several series of one architecture in one panel differ by line style.
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 Column = str | tuple[str, str]  # a key, or (key, header)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def hidden_fraction(t_base: float, t_arch: float, t_upper: float, min_comm_fraction: float = 0.01) -> float | None:
@@ -84,11 +86,27 @@ def json_safe(obj):
     return obj
 
 
+def repo_relative(obj, root: Path = REPO_ROOT):
+    """`obj` with every string that names a path inside `root` (alone or within a value such as
+    `a.b=/root/x`) rewritten relative to it, through dicts, lists and tuples."""
+    prefix = str(root) + os.sep
+    if isinstance(obj, Path):
+        obj = str(obj)
+    if isinstance(obj, str):
+        return obj.replace(prefix, "")
+    if isinstance(obj, dict):
+        return {key: repo_relative(value, root) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [repo_relative(value, root) for value in obj]
+    return obj
+
+
 def write_json(path: str | Path, obj) -> Path:
-    """`obj` as indented, valid JSON (NaN / inf as null; other non-JSON values as their str)."""
+    """`obj` as indented, valid JSON (NaN / inf as null; other non-JSON values as their str; paths inside the
+    repository relative to its root)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(json_safe(obj), indent=2, sort_keys=False, default=_json_default, allow_nan=False)
+    text = json.dumps(repo_relative(json_safe(obj)), indent=2, sort_keys=False, default=_json_default, allow_nan=False)
     path.write_text(text + "\n")
     return path
 

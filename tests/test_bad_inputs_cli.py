@@ -260,7 +260,8 @@ def test_bench_numbers_refused_before_any_work(in_process, tmp_path, override, n
 
 # ----------------------------------------------------------------- one rule for output directories
 
-REPORT_APPS = ["eval.quality", "eval.bench.__main__", "eval.plan", "eval.validation", "eval.costmodel", "eval.at_scale"]
+REPORT_APPS = ["eval.quality", "eval.bench.__main__", "eval.plan", "eval.validation", "eval.costmodel", "eval.at_scale",
+               "eval.bench_data"]
 
 
 @pytest.mark.parametrize("module", REPORT_APPS)
@@ -268,9 +269,9 @@ def test_report_directory_with_results_is_refused(in_process, tmp_path, module):
     out = tmp_path / "out"
     out.mkdir()
     (out / "README.md").write_text("an earlier report\n")
-    extra = ["checkpoint=/nowhere"] if module == "eval.quality" else []
-    code, text = in_process(module, [*extra, "logger=none", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert code == 1
+    extra = {"eval.quality": ["checkpoint=/nowhere", "logger=none"], "eval.bench_data": [f"work_dir={tmp_path / 'work'}"]}
+    code, text = in_process(module, [*extra.get(module, ["logger=none"]), f"out_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert code == 1 and not (tmp_path / "work").exists()
     line = one_error_line(text)
     assert str(out) in line and "overwrite=true" in line
     assert snapshot(out) == {"README.md": b"an earlier report\n"}

@@ -145,6 +145,13 @@ def test_write_json_turns_non_finite_numbers_into_null(tmp_path):
     assert saved == {"a": None, "b": [1.0, None, [None, 2]], "c": {"d": None}, "e": None, "f": 1.5, "g": "x"}
 
 
+def test_write_json_writes_repository_paths_relative_to_its_root(tmp_path):
+    inside = plots.REPO_ROOT / "reports" / "x"
+    obj = {"dir": inside, "cmd": [f"paths.output_dir={inside}/run"], "outside": "/elsewhere/y"}
+    saved = strict_json(plots.write_json(tmp_path / "x.json", obj))
+    assert saved == {"dir": "reports/x", "cmd": ["paths.output_dir=reports/x/run"], "outside": "/elsewhere/y"}
+
+
 # --------------------------------------------------------------------------------- bundled tasks
 
 

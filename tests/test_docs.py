@@ -162,6 +162,19 @@ def test_no_file_points_outside_the_repository():
     assert not found, "files that point outside the repository:\n" + "\n".join(found)
 
 
+# A machine's own directory (a checkout, a home) written into a committed report; /tmp is a config's scratch default.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|Users|root|mnt|scratch)/[\w.-]+")
+
+
+def test_no_report_holds_a_machine_path():
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "reports"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{name}: {MACHINE_PATH.search(text).group(0)}" for name in files if Path(name).suffix in {".json", ".md"}
+             and MACHINE_PATH.search(text := (ROOT / name).read_text(errors="replace"))]  # fmt: skip
+    assert not found, "committed reports that hold a machine's path:\n" + "\n".join(found)
+
+
 # --- paths, names, config keys and defaults a page names -------------------------------------------------------
 
 TOP = ("models", "parallel", "train", "eval", "conf", "tests", "reports", "docs")

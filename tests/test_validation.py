@@ -37,7 +37,7 @@ def _numbers(result: dict) -> dict:
 
 def test_the_config_names_every_held_out_paper():
     assert tuple(_cfg()["papers"]) == heldout.PAPERS
-    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record', 'tokenweave', 'iso'\]"):
+    with pytest.raises(ValueError, match=r"Unknown held-out paper 'gpt5'; choose from \['kraken', 'scmoe', 'moepp', 'lasp2', 'torchtitan', 'ladder_record', 'tokenweave', 'iso', 'async_tp'\]"):
         heldout.module("gpt5")
 
 
@@ -128,3 +128,17 @@ def test_the_ladder_record_holds_out_every_cell_the_fit_uses_and_counts_regimes_
     assert ladder_record.regime("8b", 1, 2, "prefill ms") == ladder_record.regime("8b", 16, 8, "tokens/s") == "other"
     rows = [{"what": "other", "ratio": 1.2}, {"what": "other", "ratio": 0.95}, {"what": "other", "ratio": None}]
     assert ladder_record.regime_summary(rows) == [{"regime": "other", "cells": 2, "within 15%": 1, "worst ratio": 1.2}]
+
+
+def test_async_tp_row_runs_the_collective_matmul_schedule():
+    # The row's async-TP side is the zoo's llama under overlap=collective_matmul, its vanilla side plain TP: the
+    # two predictions differ, and the row's ratio is theirs.
+    from eval.simulator.heldout import async_tp, torchtitan
+
+    row = async_tp.validate(quick=True)
+    shape = torchtitan._shape("llama3-8b", True)
+    plain, cm = (torchtitan.predict_cell(shape, 2, 12, "selective", True, "h100", 64, memory=False, tp=2, arch=arch)
+                 for arch in (async_tp.BASELINE, async_tp.ASYNC))  # fmt: skip
+    assert plain["step_s"] != cm["step_s"]
+    assert row["predicted"] == pytest.approx(cm["tokens_per_s_per_device"] / plain["tokens_per_s_per_device"])
+    assert row["cells"][1]["predicted"] == pytest.approx(cm["tokens_per_s_per_device"])

@@ -48,7 +48,7 @@ TARGET = 0.15  # each headline speed-up within 15% of the published ratio
 ROW_KEYS = ("paper", "source", "headline", "setting", "published", "predicted", "cells", "sensitivity", "lacks", "notes")
 OPTIONAL_KEYS = ("sensitivity", "lacks", "notes")
 # Beyond them, a row may say `comparable: False` (its setting assumed); eval.validation sets True where it does not.
-PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record", "tokenweave", "iso")
+PAPERS = ("kraken", "scmoe", "moepp", "lasp2", "torchtitan", "ladder_record", "tokenweave", "iso", "async_tp")
 _BENCH_YAML = Path(__file__).resolve().parents[3] / "conf" / "bench.yaml"
 
 
