@@ -16,7 +16,9 @@ returns its chunk from its row-parallel one:
   flight. Backward: the all-gather of the output's gradient, each chunk's products computed while the next travels.
 
 The ring steps are `parallel.comm.send_recv` shifts (counted, and timed on the simulated link); each is waited
-right after the matmul it hides behind, in the loops below. This schedule under torch.compile is not tested.
+right after the matmul it hides behind, in the loops below. Under torch.compile (fullgraph) a shift traces as a
+functional all-to-all; the compiled prefill, static-cache decode and training step equal eager's at TP 2
+(tests/test_collective_matmul.py).
 A sub-block's input and output are sequence chunks, so the all-reduce of plain TP is gone: its two halves are
 these gather and scatter. In comm's `none` mode a shift returns its input, so a rank computes the same P chunk
 products (the same per-rank compute) on meaningless values.
@@ -64,8 +66,11 @@ def ring_reduce_scatter(group, part) -> torch.Tensor:
 class _AllGatherLinears(torch.autograd.Function):
     """[chunk_c W_i^T + b_i for every chunk c, joined along `dim`] for each linear i, from this rank's chunk."""
 
+    # forward(ctx, *args), unpacked inside: torch.compile (2.13) binds named arguments before a *varargs wrongly
+    # for an autograd Function (the first tensor taken for an int), while it traces this form.
     @staticmethod
-    def forward(ctx, x, group, dim, dtype, *params):
+    def forward(ctx, *args):
+        x, group, dim, dtype, params = args[0], args[1], args[2], args[3], args[4:]
         pairs = list(zip(params[0::2], params[1::2], strict=True))
         weights = [w.to(dtype) for w, _ in pairs]
         biases = [None if b is None else b.to(dtype) for _, b in pairs]
@@ -116,7 +121,8 @@ class _LinearReduceScatter(torch.autograd.Function):
     """This rank's chunk (along `dim`) of sum over ranks of sum_i y_i W_i^T (row-parallel linears, no bias)."""
 
     @staticmethod
-    def forward(ctx, group, dim, dtype, n, *tensors):
+    def forward(ctx, *args):  # unpacked inside, as _AllGatherLinears.forward (why: there)
+        group, dim, dtype, n, tensors = args[0], args[1], args[2], args[3], args[4:]
         ys, weights = [y.to(dtype) for y in tensors[:n]], [w.to(dtype) for w in tensors[n:]]
         p, _ = _size_rank(group)
         y_chunks = [y.chunk(p, dim=dim) for y in ys]

@@ -62,8 +62,9 @@ def check_overlap(model_class: type, schedule: str, residual: str = "standard") 
     if schedule != "none" and residual != "standard":
         raise ValueError(
             f"overlap={schedule!r} is not built for residual={residual!r}: the ladder residual schedule runs its "
-            "layers' sub-blocks itself (models/common/residual.py), each collective waited one sub-block later, so a "
-            "layer's own split would not run; use the architecture's standard form or overlap='none'."
+            "layers' sub-blocks itself (models/common/residual.py), each collective waited one sub-block later, so the "
+            "schedule's trunk (a split, or the sequence-sharded layers of collective_matmul) would not run; use the "
+            "architecture's standard form or overlap='none'."
         )
 
 

@@ -115,3 +115,24 @@ def _refuses_a_length_that_does_not_divide(rank, world_size):
 
 def test_a_length_that_does_not_divide_is_refused():
     run_ranks(_refuses_a_length_that_does_not_divide, 2)
+
+
+def _compiled(rank, world_size):
+    from tests.test_compile import (
+        compiled_generation_equals_eager,
+        compiled_training_step_equals_eager,
+        sharded_tiny,
+    )
+
+    mesh = parallel.init_mesh(tp=world_size)
+    model = parallel.set_overlap(sharded_tiny("llama", mesh, "tp", world_size), "collective_matmul")
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))  # 6: a multiple of the TP degree
+    compiled_generation_equals_eager(model, ids)  # the prefill sequence-sharded, each decode step plain TP
+    # The training step: the ring's shifts (send_recv, traced as all-to-alls) and the norms' gradient all-reduces.
+    counts = compiled_training_step_equals_eager(model.train(), ids, "aot_eager", "collective_matmul",
+                                                 traced_as={"send_recv": "all_to_all"})  # fmt: skip
+    assert counts["send_recv"]["calls"] > 0 and "all_to_all" not in counts
+
+
+def test_compiles_fullgraph_for_decode_and_training_at_tp2():
+    run_ranks(_compiled, 2)

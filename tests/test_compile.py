@@ -121,10 +121,12 @@ def sharded_tiny(arch: str, mesh, dim: str, world_size: int):
     return model
 
 
-def compiled_training_step_equals_eager(model, ids, backend: str, label: str) -> dict:
+def compiled_training_step_equals_eager(model, ids, backend: str, label: str, traced_as: dict | None = None) -> dict:
     """One training step (loss, backward) eager, then compiled with fullgraph=True (no break allowed): the same
     loss and every gradient (atol ATOL), the graph holding eager's collectives, the backward's too (in its
-    autograd functions' subgraphs). Returns eager's collectives. tests/test_compile_moe.py runs it too."""
+    autograd functions' subgraphs); `traced_as` renames an eager kind to the op it traces as (`send_recv` runs as
+    a functional all-to-all under compile: parallel.comm_all_to_all.send_recv). Returns eager's collectives.
+    tests/test_compile_moe.py runs it too."""
     import torch._dynamo as dynamo
 
     def step(ids):
@@ -141,7 +143,8 @@ def compiled_training_step_equals_eager(model, ids, backend: str, label: str) ->
     graphs = CountingBackend(backend)
     compiled_loss = torch.compile(step, fullgraph=True, backend=graphs)(ids)
     compiled_loss.backward()
-    assert graphs.graphs == [counts], label
+    traced = {(traced_as or {}).get(kind, kind): count for kind, count in counts.items()}
+    assert graphs.graphs == [traced], f"{label}: {graphs.graphs} vs {traced}"
     torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=ATOL, msg=label)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=ATOL, msg=f"{label}: {name}")
@@ -182,6 +185,23 @@ def generation(model, ids, prefill_fn, step_fn, steps: int = STEPS):
         tokens.append(token)
         all_logits.append(logits)
     return torch.cat(tokens, 1), torch.stack(all_logits), comm.snapshot_counters()
+
+
+def compiled_generation_equals_eager(model, ids, backend: str = "aot_eager") -> dict:
+    """Greedy generation on a static cache eager, then with the prefill and the decode step compiled
+    (fullgraph): the same tokens, logits within 1e-5, one graph for every decode step and no graph break.
+    Returns eager's decode collectives (tests/test_overlap.py, tests/test_collective_matmul.py)."""
+    import torch._dynamo as dynamo
+
+    tokens, logits, counts = generation(model, ids, prefill, decode_step)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    prefill_fn, step_fn, graphs = compile_steps(backend=backend)
+    c_tokens, c_logits, _ = generation(model, ids, prefill_fn, step_fn)
+    assert torch.equal(c_tokens, tokens)
+    torch.testing.assert_close(c_logits, logits, rtol=0, atol=1e-5)
+    assert len(graphs["decode"].graphs) == 1 and not dynamo.utils.counters["graph_break"]
+    return counts
 
 
 def _decode_ranks(rank, world_size, archs, backend):

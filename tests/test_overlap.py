@@ -216,29 +216,16 @@ def test_splits_of_the_moe_all_to_alls_under_ep2_are_the_unsplit_model():
 
 
 def _compiled_ranks(rank, world_size):
-    import torch._dynamo as dynamo
-
     from tests.test_compile import (
-        compile_steps,
+        compiled_generation_equals_eager,
         compiled_training_step_equals_eager,
-        decode_step,
-        generation,
-        prefill,
         sharded_tiny,
     )
 
     mesh = parallel.init_mesh(tp=world_size)
     model = parallel.set_overlap(sharded_tiny("llama", mesh, "tp", world_size), "token_split")
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
-    tokens, logits, counts = generation(model, ids, prefill, decode_step)
-    dynamo.reset()
-    dynamo.utils.counters.clear()
-    prefill_fn, step_fn, graphs = compile_steps(backend="aot_eager")
-    c_tokens, c_logits, _ = generation(model, ids, prefill_fn, step_fn)
-    assert torch.equal(c_tokens, tokens)
-    torch.testing.assert_close(c_logits, logits, rtol=0, atol=1e-5)
-    # One graph for every decode step (the static cache's rows written in place), no break.
-    assert len(graphs["decode"].graphs) == 1 and not dynamo.utils.counters["graph_break"]
+    counts = compiled_generation_equals_eager(model, ids)  # one graph for every decode step (the static cache's rows written in place)
     assert counts["all_reduce"]["calls"] == 8 * 4 * model.config.num_hidden_layers  # 8 steps, two halves x two sub-blocks
     compiled_training_step_equals_eager(model.train(), torch.cat([ids, ids.flip(0)]), "aot_eager", "token_split")
     parallel.set_overlap(model, "seq_split").zero_grad(set_to_none=True)  # the sequence's chunks: compiled == eager
